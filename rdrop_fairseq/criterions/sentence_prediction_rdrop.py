@@ -1,0 +1,80 @@
+"""R-Drop over fairseq's ``sentence_prediction`` (RoBERTa / BART classification, regression).
+
+Classification: symmetric KL between the two passes' class distributions. Regression
+(``--regression-target``, e.g. STS-B): the paper's consistency term for real-valued
+outputs, the squared difference of the two predictions (appendix eq. 1-2), next to the MSE
+task loss of both passes.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from fairseq.criterions import register_criterion
+from fairseq.criterions.sentence_prediction import (
+    SentencePredictionConfig,
+    SentencePredictionCriterion,
+)
+
+from ..core import mse_consistency, symmetric_kl
+from .rdrop import RDropConfig, RDropMixin
+
+
+@dataclass
+class SentencePredictionRDropConfig(SentencePredictionConfig, RDropConfig):
+    pass
+
+
+@register_criterion("sentence_prediction_rdrop", dataclass=SentencePredictionRDropConfig)
+class SentencePredictionRDropCriterion(RDropMixin, SentencePredictionCriterion):
+    def __init__(self, cfg: SentencePredictionRDropConfig, task):
+        super().__init__(cfg, task)
+        self.init_rdrop(cfg.rdrop_alpha, cfg.rdrop_two_passes, "sentence_prediction")
+
+    def forward(self, model, sample, reduce=True):
+        if not self.rdrop_active(model):
+            return super().forward(model, sample, reduce=reduce)
+        self.check_reduce(reduce)
+        assert (
+            hasattr(model, "classification_heads")
+            and self.classification_head_name in model.classification_heads
+        ), "model must provide sentence classification head for --criterion=sentence_prediction_rdrop"
+        for option in ("mha_reg_scale_factor", "ffn_reg_scale_factor"):
+            if getattr(getattr(model, "args", None), option, 0.0):
+                raise ValueError(f"--{option.replace('_', '-')} is not supported with R-Drop")
+
+        pair = self.duplicate_sample(model, sample)
+        logits, _ = model(
+            **pair["net_input"],
+            features_only=True,
+            classification_head_name=self.classification_head_name,
+        )
+        targets = model.get_targets(pair, [logits]).view(-1)
+        logging_output = {}
+        if not self.regression_target:
+            lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
+            task_loss = F.nll_loss(lprobs, targets, reduction="sum")
+            consistency = symmetric_kl(lprobs)
+            logging_output["rdrop_kl"] = consistency.data
+            logging_output["ncorrect"] = (logits.argmax(dim=1) == targets).sum() / 2
+        else:
+            predictions = logits.view(-1).float()
+            task_loss = F.mse_loss(predictions, targets.float(), reduction="sum")
+            consistency = mse_consistency(predictions)
+            logging_output["rdrop_mse"] = consistency.data
+
+        sample_size = targets.numel() // 2
+        logging_output.update(
+            {
+                "loss": task_loss.data / 2,
+                "ntokens": sample["ntokens"],
+                "nsentences": sample_size,
+                "sample_size": sample_size,
+            }
+        )
+        return task_loss + self.rdrop_alpha * consistency, sample_size, logging_output
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        cls.reduce_rdrop_metrics(logging_outputs)

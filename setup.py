@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rdrop-fairseq",
+    version="0.1.0",
+    description="R-Drop (Regularized Dropout, NeurIPS 2021) as a fairseq plugin: --user-dir + criteria",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.9",
+    packages=find_packages(include=["rdrop_fairseq", "rdrop_fairseq.*"]),
+    # fairseq itself is deliberately not a requirement: the PyPI distribution named
+    # "fairseq" (0.12.2) does not import on Python 3.11 and would replace a user's own
+    # fairseq. Install one yourself (see README: requirements/fairseq.txt).
+    install_requires=["torch>=1.13", "numpy"],
+    extras_require={"test": ["pytest>=7"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: MIT License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
