@@ -148,6 +148,11 @@ def mse_consistency(predictions):
     return (y1 - y2).pow(2).sum()
 
 
+def _log_ratio(a, b):
+    # -inf - -inf (a class both passes rule out) is nan; its KL contribution is 0
+    return (a - b).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+
+
 def _compute_dtype(x):
     return torch.promote_types(x.dtype, torch.float32)
 
@@ -170,7 +175,7 @@ class _RDropNLLLoss(torch.autograd.Function):
                 acc[0] -= (a.gather(1, t) + b.gather(1, t)).sum(dtype=torch.float64)
                 if epsilon:
                     acc[1] -= a.sum(dtype=torch.float64) + b.sum(dtype=torch.float64)
-            diff = a - b
+            diff = _log_ratio(a, b)
             acc[2] += torch.dot(a.exp_().sub_(b.exp_()).view(-1), diff.view(-1)).double()
         nll, smooth, kl = acc.to(dtype).unbind()
         loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
@@ -192,7 +197,7 @@ class _RDropNLLLoss(torch.autograd.Function):
             a = lprobs.index_select(0, r).to(dtype)
             b = lprobs.index_select(0, r + n).to(dtype)
             # d/d(log p) of 1/2 sum (p - q)(log p - log q) is 1/2 [p (log p - log q) + p - q]
-            diff = a - b
+            diff = _log_ratio(a, b)
             pa = a.exp_().mul_(half_kl)
             pb = b.exp_().mul_(half_kl)
             ga = (diff + 1).mul_(pa).sub_(pb)

@@ -1,12 +1,14 @@
 """R-Drop over fairseq's ``adaptive_loss`` (adaptive-softmax LMs, ``transformer_lm_wiki103``).
 
-The task loss is fairseq's: cross-entropy over the head and the one tail cluster each target
-falls in. The KL, however, must compare the two passes' *full* output distributions,
+The KL must compare the two passes' *full* output distributions,
 ``p(w) = p_head(cluster(w)) * p_tail(w | cluster(w))``: a KL over the head alone would ignore
-how the passes spread probability inside the tail clusters (most of the vocabulary). That
-distribution is what ``AdaptiveSoftmax.get_log_prob`` computes; it is vocabulary-sized per
-position, so we evaluate it a few hundred thousand elements at a time and recompute it in the
-backward pass (activation checkpointing) instead of keeping it.
+how the passes spread probability inside the tail clusters (most of the vocabulary). We
+compute that distribution (what ``AdaptiveSoftmax.get_log_prob`` returns, but differentiable:
+fairseq's version writes into a log-softmax output in place) for every non-padding position
+of both passes, a few hundred thousand elements at a time, and take from it both the task
+loss ``-log p(target)`` (the same value fairseq's cluster-wise ``adaptive_loss`` computes) and
+the symmetric KL, so that they see the same sub-models. Each chunk is recomputed in the
+backward pass (activation checkpointing, same dropout masks) instead of being kept.
 """
 
 from dataclasses import dataclass
@@ -18,11 +20,11 @@ from fairseq.criterions import register_criterion
 from fairseq.criterions.adaptive_loss import AdaptiveLoss, AdaptiveLossConfig
 from torch.utils.checkpoint import checkpoint
 
-from ..core import symmetric_kl
-from .rdrop import RDropConfig, RDropMixin, dropout_disabled
+from ..core import rdrop_nll_loss
+from .rdrop import RDropConfig, RDropMixin
 
-# Elements of full-vocabulary log-probabilities held at once when computing the KL.
-KL_CHUNK_ELEMENTS = 1 << 22
+# Elements of full-vocabulary log-probabilities held at once.
+CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass
@@ -55,21 +57,8 @@ class AdaptiveLossRDrop(RDropMixin, AdaptiveLoss):
         pair = self.duplicate_sample(model, sample)
         net_output = model(**pair["net_input"])
         target = model.get_targets(pair, net_output).view(-1)
-
-        # One dropout mask for the adaptive softmax input, shared by the loss and the KL, so
-        # that both see the same two sub-models.
         features = net_output[0].reshape(-1, net_output[0].size(-1))
-        features = adaptive_softmax.dropout_module(features)
-        with dropout_disabled(adaptive_softmax.dropout_module):
-            logits, cluster_targets = adaptive_softmax(features, target)
-        loss = features.new_zeros((), dtype=torch.float32)
-        for logit, cluster_target in zip(logits, cluster_targets):
-            if cluster_target is not None:
-                loss = loss + F.cross_entropy(
-                    logit.float(), cluster_target, ignore_index=self.padding_idx, reduction="sum"
-                )
-        keep = target[: target.numel() // 2].ne(self.padding_idx)
-        kl = full_distribution_kl(adaptive_softmax, features, keep)
+        loss, kl = adaptive_rdrop_loss(adaptive_softmax, features, target, self.padding_idx)
 
         ntokens = utils.strip_pad(sample["target"], self.padding_idx).numel()
         sample_size = sample["target"].size(0) if self.sentence_avg else ntokens
@@ -88,23 +77,35 @@ class AdaptiveLossRDrop(RDropMixin, AdaptiveLoss):
         cls.reduce_rdrop_metrics(logging_outputs)
 
 
-def full_distribution_kl(adaptive_softmax, features, keep):
-    """Symmetric KL of the full adaptive-softmax distributions of the two halves.
+def adaptive_rdrop_loss(adaptive_softmax, features, target, padding_idx):
+    """NLL of both passes and their symmetric KL over the full adaptive-softmax distribution.
 
-    ``features``: ``(2N, d)`` adaptive-softmax inputs, pass 1 then pass 2; ``keep``: ``(N,)``
-    non-padding positions.
+    ``features``: ``(2N, d)`` adaptive-softmax inputs, pass 1 then pass 2; ``target``: ``(2N,)``.
     """
     n = features.size(0) // 2
-    rows = keep.nonzero().squeeze(1)
-    chunk = max(1, KL_CHUNK_ELEMENTS // (2 * adaptive_softmax.vocab_size))
-    total = features.new_zeros((), dtype=torch.float32)
+    rows = target[:n].ne(padding_idx).nonzero().squeeze(1)
+    chunk = max(1, CHUNK_ELEMENTS // (2 * adaptive_softmax.vocab_size))
+    total = features.new_zeros(2, dtype=torch.float32)
     for start in range(0, rows.numel(), chunk):
-        r = rows[start:start + chunk]
-        both = torch.cat([features.index_select(0, r), features.index_select(0, r + n)])
-        total = total + checkpoint(_chunk_kl, adaptive_softmax, both, use_reentrant=False)
-    return total
+        both = torch.cat([rows[start:start + chunk], rows[start:start + chunk] + n])
+        total = total + checkpoint(
+            _chunk_loss, adaptive_softmax, features.index_select(0, both),
+            target.index_select(0, both), use_reentrant=False,
+        )
+    return total[0], total[1]
 
 
-def _chunk_kl(adaptive_softmax, both):
-    lprobs = adaptive_softmax.get_log_prob(both.unsqueeze(0), None).squeeze(0)
-    return symmetric_kl(lprobs)
+def _chunk_loss(adaptive_softmax, features, target):
+    loss, _, kl = rdrop_nll_loss(full_log_prob(adaptive_softmax, features), target)
+    return torch.stack([loss, kl])
+
+
+def full_log_prob(adaptive_softmax, x):
+    """Log-probabilities over the whole vocabulary, as in training (input dropout included)."""
+    x = adaptive_softmax.dropout_module(x)
+    head = F.log_softmax(adaptive_softmax.head(x), dim=-1, dtype=torch.float32)
+    first = adaptive_softmax.cutoff[0]
+    parts = [head[:, :first]]
+    for i, tail in enumerate(adaptive_softmax.tail):
+        parts.append(F.log_softmax(tail(x), dim=-1, dtype=torch.float32) + head[:, first + i, None])
+    return torch.cat(parts, dim=1)

@@ -5,7 +5,6 @@ training (validation, ``--eval-bleu``, scoring), or when R-Drop is off, they cal
 parent unchanged.
 """
 
-import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -114,13 +113,3 @@ def has_stochastic_layers(model):
     dropouts = (torch.nn.modules.dropout._DropoutNd, FairseqDropout)
     return any(isinstance(m, dropouts) and m.p > 0 for m in model.modules())
 
-
-@contextlib.contextmanager
-def dropout_disabled(dropout_module):
-    """Temporarily turn one dropout module into the identity."""
-    p = dropout_module.p
-    dropout_module.p = 0.0
-    try:
-        yield
-    finally:
-        dropout_module.p = p

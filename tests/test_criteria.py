@@ -1,0 +1,585 @@
+"""Each R-Drop criterion on real (tiny) fairseq models, against fairseq and the formula.
+
+Every criterion is exercised through the same checks:
+
+* off (alpha 0) it *is* its fairseq parent: same loss, gradients and logs;
+* with two passes, its task loss is the parent's on the doubled batch ``[x; x]``;
+* its training loss equals the paper's formula computed here, in float64, from the real
+  model's two halves (same dropout masks, by replaying the RNG);
+* adding padding changes nothing (the two passes are made to differ deterministically);
+* a model without dropout gives KL 0 and a warning; evaluation runs one pass.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq import options
+from fairseq.criterions.adaptive_loss import AdaptiveLoss
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+from fairseq.criterions.sentence_prediction import (
+    SentencePredictionConfig,
+    SentencePredictionCriterion,
+)
+from fairseq.data import Dictionary
+from fairseq.data.data_utils import collate_tokens
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.logging import metrics
+from fairseq.tasks.language_modeling import LanguageModelingTask
+from fairseq.tasks.sentence_prediction import SentencePredictionTask
+from fairseq.tasks.translation import TranslationTask
+
+from rdrop_fairseq.core import RDropBatchError
+from rdrop_fairseq.criterions import (
+    AdaptiveLossRDrop,
+    CrossEntropyRDropCriterion,
+    LabelSmoothedCrossEntropyRDropCriterion,
+    SentencePredictionRDropCriterion,
+)
+from rdrop_fairseq.criterions.sentence_prediction_rdrop import SentencePredictionRDropConfig
+
+VOCAB = 40
+HEAD = "sentence_classification_head"
+
+
+def make_dictionary(n=VOCAB):
+    d = Dictionary()
+    for i in range(n - len(d)):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def parse(argv):
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, ["/dev/null", "--cpu", *argv])
+    return args, convert_namespace_to_omegaconf(args)
+
+
+def lengths_batch(gen, n, lo, hi):
+    return [torch.randint(4, VOCAB, (int(torch.randint(lo, hi + 1, (1,), generator=gen)),),
+                          generator=gen) for _ in range(n)]
+
+
+# --- the four settings: model, sample, criteria, reference formula --------------------------
+
+
+@dataclass
+class Case:
+    name: str
+    build_model: Callable  # dropout -> model
+    make_sample: Callable  # extra_pad -> sample
+    ours: Callable  # (task, alpha, two_passes, **kw) -> criterion
+    parent: Callable  # task, **kw -> fairseq criterion
+    reference: Callable  # (model, pair_sample, alpha, **kw) -> (loss, consistency) float64
+    task: object = None
+
+
+def translation_case():
+    d = make_dictionary()
+
+    def build_model(dropout, **kw):
+        args, cfg = parse([
+            "--task", "translation", "--arch", "transformer_iwslt_de_en",
+            "--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
+            "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+            "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2",
+            "--decoder-attention-heads", "2", "--dropout", str(dropout),
+            "--attention-dropout", str(dropout), "--activation-dropout", str(dropout),
+        ])
+        case.task = TranslationTask(cfg.task, d, d)
+        return case.task.build_model(cfg.model)
+
+    def make_sample(extra_pad=0):
+        gen = torch.Generator().manual_seed(1)
+        src, tgt = lengths_batch(gen, 5, 2, 7), lengths_batch(gen, 5, 2, 7)
+        tgt = [torch.cat([t, torch.tensor([d.eos()])]) for t in tgt]
+        src_tokens = collate_tokens(src, d.pad(), left_pad=True)
+        target = collate_tokens(tgt, d.pad())
+        prev = collate_tokens(tgt, d.pad(), move_eos_to_beginning=True)
+        if extra_pad:  # more padding: on the left of the source, on the right of the target
+            src_tokens = F.pad(src_tokens, (extra_pad, 0), value=d.pad())
+            target = F.pad(target, (0, extra_pad), value=d.pad())
+            prev = F.pad(prev, (0, extra_pad), value=d.pad())
+        return {
+            "net_input": {"src_tokens": src_tokens,
+                          "src_lengths": torch.tensor([len(s) for s in src]),
+                          "prev_output_tokens": prev},
+            "target": target, "ntokens": int(target.ne(d.pad()).sum()), "nsentences": 5,
+        }
+
+    def ours(alpha, two_passes=False, label_smoothing=0.1, **kw):
+        return LabelSmoothedCrossEntropyRDropCriterion(
+            case.task, kw.pop("sentence_avg", False), label_smoothing, rdrop_alpha=alpha,
+            rdrop_two_passes=two_passes, **kw)
+
+    def parent(label_smoothing=0.1, **kw):
+        return LabelSmoothedCrossEntropyCriterion(
+            case.task, kw.pop("sentence_avg", False), label_smoothing, **kw)
+
+    def reference(model, pair, alpha, label_smoothing=0.1, ignore_prefix_size=0, **kw):
+        out = model(**pair["net_input"])
+        lprobs = model.get_normalized_probs(out, log_probs=True).double()
+        target = pair["target"]
+        lprobs, target = lprobs[:, ignore_prefix_size:], target[:, ignore_prefix_size:]
+        return token_reference(lprobs, target, d.pad(), alpha, label_smoothing)
+
+    case = Case("translation", build_model, make_sample, ours, parent, reference)
+    return case
+
+
+def token_reference(lprobs, target, pad, alpha, eps):
+    """Label-smoothed NLL of both passes + alpha * symmetric KL, from the definition."""
+    keep = target.ne(pad)
+    vocab = lprobs.size(-1)
+    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    smooth = -lprobs.sum(-1)
+    eps_i = eps / (vocab - 1)
+    task = ((1 - eps - eps_i) * nll + eps_i * smooth)[keep].sum()
+    p_log, q_log = lprobs.chunk(2)
+    p, q = p_log.exp(), q_log.exp()
+    kl_pq = (p * (p_log - q_log)).sum(-1)
+    kl_qp = (q * (q_log - p_log)).sum(-1)
+    kl = (0.5 * (kl_pq + kl_qp))[keep.chunk(2)[0]].sum()
+    return task + alpha * kl, kl
+
+
+def lm_case(adaptive):
+    d = make_dictionary()
+
+    def build_model(dropout, softmax_dropout=0.0):
+        # the adaptive softmax's own dropout is separate: the RNG-replaying reference below
+        # draws its masks in another order than the criterion's chunks do
+        arch = ["--arch", "transformer_lm_wiki103", "--adaptive-input-cutoff", "10,20",
+                "--adaptive-softmax-cutoff", "10,20", "--decoder-input-dim", "16",
+                "--decoder-output-dim", "16", "--adaptive-softmax-dropout",
+                str(softmax_dropout)] if adaptive else ["--arch", "transformer_lm_gpt"]
+        args, cfg = parse([
+            "--task", "language_modeling", *arch, "--decoder-layers", "1",
+            "--decoder-embed-dim", "16", "--decoder-ffn-embed-dim", "32",
+            "--decoder-attention-heads", "2", "--tokens-per-sample", "16",
+            "--dropout", str(dropout), "--attention-dropout", str(dropout),
+            "--activation-dropout", str(dropout), "--ddp-backend", "legacy_ddp",
+        ])
+        case.task = LanguageModelingTask(cfg.task, d)
+        return case.task.build_model(cfg.model)
+
+    def make_sample(extra_pad=0, avoid=(11, 21)):
+        gen = torch.Generator().manual_seed(2)
+        seqs = lengths_batch(gen, 4, 3, 9)
+        # fairseq's adaptive_loss drops the tail term of the word at id cutoff + padding_idx
+        # of each tail cluster (ids 11 and 21 here; see test_adaptive_nll_is_the_true_one)
+        seqs = [s.masked_fill((s == avoid[0]) | (s == avoid[1]), 12) for s in seqs]
+        src = collate_tokens([s[:-1] for s in seqs], d.pad())
+        target = collate_tokens([s[1:] for s in seqs], d.pad())
+        if extra_pad:
+            src = F.pad(src, (0, extra_pad), value=d.pad())
+            target = F.pad(target, (0, extra_pad), value=d.pad())
+        return {"net_input": {"src_tokens": src,
+                              "src_lengths": torch.tensor([len(s) - 1 for s in seqs])},
+                "target": target, "ntokens": int(target.ne(d.pad()).sum()), "nsentences": 4}
+
+    if adaptive:
+        def ours(alpha, two_passes=False, **kw):
+            return AdaptiveLossRDrop(case.task, False, rdrop_alpha=alpha,
+                                     rdrop_two_passes=two_passes)
+
+        def parent(**kw):
+            return AdaptiveLoss(case.task, False)
+
+        def reference(model, pair, alpha, **kw):
+            # p(w) = p_head(cluster of w) * p_tail(w | cluster), over the whole vocabulary
+            asm = model.decoder.adaptive_softmax
+            features = model(**pair["net_input"])[0]
+            features = features.reshape(-1, features.size(-1))
+            head = asm.head(features).double().log_softmax(-1)
+            first = asm.cutoff[0]
+            lprobs = torch.cat([head[:, :first]] + [
+                tail(features).double().log_softmax(-1) + head[:, first + i, None]
+                for i, tail in enumerate(asm.tail)], dim=1)
+            lprobs = lprobs.view(*pair["target"].shape, -1)
+            return token_reference(lprobs, pair["target"], d.pad(), alpha, 0.0)
+    else:
+        def ours(alpha, two_passes=False, **kw):
+            return CrossEntropyRDropCriterion(case.task, False, rdrop_alpha=alpha,
+                                              rdrop_two_passes=two_passes)
+
+        def parent(**kw):
+            return CrossEntropyCriterion(case.task, False)
+
+        def reference(model, pair, alpha, **kw):
+            out = model(**pair["net_input"])
+            lprobs = model.get_normalized_probs(out, log_probs=True).double()
+            return token_reference(lprobs, pair["target"], d.pad(), alpha, 0.0)
+
+    case = Case("adaptive_lm" if adaptive else "lm", build_model, make_sample, ours, parent,
+                reference)
+    return case
+
+
+def sentence_case(regression):
+    d = make_dictionary()
+    labels = make_dictionary(3 + 4)  # 3 classes after the 4 special symbols
+    num_classes = 1 if regression else 3
+
+    def build_model(dropout, **kw):
+        args, cfg = parse([
+            "--task", "sentence_prediction", "--criterion", "sentence_prediction",
+            "--arch", "roberta_base",
+            "--num-classes", str(num_classes), "--encoder-layers", "1",
+            "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+            "--encoder-attention-heads", "2", "--max-positions", "32",
+            "--dropout", str(dropout), "--attention-dropout", str(dropout),
+            "--activation-dropout", str(dropout), "--pooler-dropout", str(dropout),
+            *(["--regression-target"] if regression else []),
+        ])
+        case.task = SentencePredictionTask(cfg.task, d, labels)
+        model = case.task.build_model(cfg.model)
+        model.register_classification_head(HEAD, num_classes=num_classes)
+        return model
+
+    def make_sample(extra_pad=0):
+        gen = torch.Generator().manual_seed(3)
+        seqs = [torch.cat([torch.tensor([d.bos()]), s]) for s in lengths_batch(gen, 6, 2, 8)]
+        src = collate_tokens(seqs, d.pad())
+        if extra_pad:
+            src = F.pad(src, (0, extra_pad), value=d.pad())
+        target = (torch.randn(6, generator=gen) if regression
+                  else torch.randint(0, 3, (6,), generator=gen))
+        return {"net_input": {"src_tokens": src,
+                              "src_lengths": torch.tensor([len(s) for s in seqs])},
+                "target": target, "ntokens": int(src.ne(d.pad()).sum()), "nsentences": 6}
+
+    def config(**kw):
+        return dict(regression_target=regression, classification_head_name=HEAD)
+
+    def ours(alpha, two_passes=False, **kw):
+        return SentencePredictionRDropCriterion(
+            SentencePredictionRDropConfig(rdrop_alpha=alpha, rdrop_two_passes=two_passes,
+                                          **config()), case.task)
+
+    def parent(**kw):
+        return SentencePredictionCriterion(SentencePredictionConfig(**config()), case.task)
+
+    def reference(model, pair, alpha, **kw):
+        logits = model(**pair["net_input"], features_only=True,
+                       classification_head_name=HEAD)[0].double()
+        target = pair["target"]
+        if regression:
+            y = logits.view(-1)
+            y1, y2 = y.chunk(2)
+            consistency = ((y1 - y2) ** 2).sum()
+            return ((y - target.double()) ** 2).sum() + alpha * consistency, consistency
+        lprobs = logits.log_softmax(-1)
+        nll = -lprobs.gather(1, target.unsqueeze(1)).sum()
+        p_log, q_log = lprobs.chunk(2)
+        kl = 0.5 * ((p_log.exp() - q_log.exp()) * (p_log - q_log)).sum()
+        return nll + alpha * kl, kl
+
+    case = Case("regression" if regression else "classification", build_model, make_sample,
+                ours, parent, reference)
+    return case
+
+
+CASES = {
+    "translation": translation_case,
+    "lm": lambda: lm_case(adaptive=False),
+    "adaptive_lm": lambda: lm_case(adaptive=True),
+    "classification": lambda: sentence_case(regression=False),
+    "regression": lambda: sentence_case(regression=True),
+}
+CONSISTENCY_KEY = {"regression": "rdrop_mse"}
+
+
+@pytest.fixture(params=list(CASES))
+def case(request):
+    torch.manual_seed(0)
+    return CASES[request.param]()
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def run(criterion, model, sample, seed=0):
+    """Forward + backward under a fixed seed; returns loss, sample size, logs and grads."""
+    model.zero_grad()
+    torch.manual_seed(seed)
+    loss, sample_size, logs = criterion(model, sample)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), sample_size, logs, grads
+
+
+def doubled(sample):
+    """``[x; x]`` built by hand, for fairseq's own criteria."""
+    def cat(v):
+        return torch.cat([v, v]) if torch.is_tensor(v) else v
+    return {"net_input": {k: cat(v) for k, v in sample["net_input"].items()},
+            "target": cat(sample["target"]), "ntokens": 2 * sample["ntokens"],
+            "nsentences": 2 * sample["nsentences"]}
+
+
+def assert_grads_close(a, b, rtol=1e-5, atol=1e-7):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name].double(), b[name].double(), rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+class SecondHalfOffset:
+    """Adds a fixed, position-indexed offset to the second half of a module's output.
+
+    Stands in for dropout where a test needs the two passes to differ deterministically
+    and independently of the batch's shape (e.g. when padding is added).
+    """
+
+    def __init__(self, module, scale=0.7):
+        self.scale = scale
+        self.table = None
+        module.register_forward_hook(self)
+
+    def __call__(self, module, inputs, output):
+        x = output[0] if isinstance(output, tuple) else output
+        if x.size(0) % 2:
+            return output
+        length = x.size(1) if x.dim() == 3 else 1
+        if self.table is None or self.table.size(0) < length:
+            gen = torch.Generator().manual_seed(7)
+            self.table = self.scale * torch.randn(64, x.size(-1), generator=gen)
+        offset = self.table[:length] if x.dim() == 3 else self.table[0]
+        half = x.size(0) // 2
+        x = torch.cat([x[:half], x[half:] + offset])
+        return (x, *output[1:]) if isinstance(output, tuple) else x
+
+
+def perturbed_module(case, model):
+    if case.name in ("classification", "regression"):
+        return model.classification_heads[HEAD]
+    return model.decoder
+
+
+# --- the checks ----------------------------------------------------------------------------
+
+
+def test_alpha_zero_is_exactly_the_fairseq_parent(case):
+    model = case.build_model(dropout=0.2)
+    model.train()
+    sample = case.make_sample()
+    ours = run(case.ours(alpha=0.0), model, sample)
+    theirs = run(case.parent(), model, sample)
+    assert torch.equal(ours[0], theirs[0])
+    assert ours[1] == theirs[1]
+    assert ours[2].keys() == theirs[2].keys()
+    assert_grads_close(ours[3], theirs[3], rtol=0, atol=0)
+
+
+def test_two_passes_task_loss_is_the_parent_on_the_doubled_batch(case):
+    """The 'two passes without KL' ablation: fairseq's loss on [x; x], normalised by x."""
+    model = case.build_model(dropout=0.2)
+    model.train()
+    sample = case.make_sample()
+    loss, sample_size, logs, grads = run(case.ours(alpha=0.0, two_passes=True), model, sample)
+    p_loss, p_size, p_logs, p_grads = run(case.parent(), model, doubled(sample))
+    torch.testing.assert_close(loss.reshape(()), p_loss.reshape(()), rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, p_grads, rtol=1e-4, atol=1e-6)
+    assert sample_size * 2 == p_size  # normalised by the original batch, not the doubled one
+    torch.testing.assert_close((logs["loss"] * 2).reshape(()), p_logs["loss"].reshape(()),
+                               rtol=1e-5, atol=1e-6)
+    assert logs[CONSISTENCY_KEY.get(case.name, "rdrop_kl")] > 0  # still measured
+
+
+@pytest.mark.parametrize("alpha", [0.7, 5.0])
+def test_training_loss_is_the_formula_on_the_models_two_halves(case, alpha):
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample()
+    criterion = case.ours(alpha=alpha)
+    loss, sample_size, logs, grads = run(criterion, model, sample, seed=11)
+
+    torch.manual_seed(11)  # same dropout masks: the reference repeats the same forward
+    model.zero_grad()
+    ref_loss, ref_consistency = case.reference(model, doubled(sample), alpha)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    assert ref_consistency > 1e-6  # dropout really made the two passes differ
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=2e-5, atol=1e-5)
+    key = CONSISTENCY_KEY.get(case.name, "rdrop_kl")
+    torch.testing.assert_close(logs[key].double(), ref_consistency.detach(), rtol=2e-5, atol=1e-6)
+    assert_grads_close(grads, ref_grads, rtol=1e-3, atol=1e-6)
+    assert sample_size == (sample["nsentences"] if case.name in ("classification", "regression")
+                           else sample["ntokens"])
+
+
+def test_padding_changes_nothing(case):
+    model = case.build_model(dropout=0.0)
+    SecondHalfOffset(perturbed_module(case, model))
+    model.train()
+    criterion = case.ours(alpha=2.0)
+    loss, sample_size, logs, grads = run(criterion, model, case.make_sample())
+    loss_p, sample_size_p, logs_p, grads_p = run(criterion, model, case.make_sample(extra_pad=3))
+    key = CONSISTENCY_KEY.get(case.name, "rdrop_kl")
+    assert logs[key] > 1e-4  # the offset made the passes differ
+    torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logs_p[key], logs[key], rtol=1e-5, atol=1e-6)
+    assert sample_size_p == sample_size
+    assert_grads_close(grads_p, grads, rtol=1e-4, atol=1e-6)
+
+
+def test_model_without_dropout_gives_zero_kl_and_a_warning(case, caplog):
+    model = case.build_model(dropout=0.0)
+    model.train()
+    with caplog.at_level(logging.WARNING):
+        loss, _, logs, _ = run(case.ours(alpha=5.0), model, case.make_sample())
+    assert "every dropout of the model is 0" in caplog.text
+    assert abs(float(logs[CONSISTENCY_KEY.get(case.name, "rdrop_kl")])) < 1e-6
+
+
+def test_evaluation_runs_one_pass_like_the_parent(case):
+    model = case.build_model(dropout=0.3)
+    model.eval()
+    sample = case.make_sample()
+    with torch.no_grad():
+        loss, size, logs = case.ours(alpha=5.0)(model, sample)
+        p_loss, p_size, p_logs = case.parent()(model, sample)
+    assert torch.equal(loss, p_loss) and size == p_size
+    assert not any(k.startswith("rdrop") for k in logs)
+
+
+def test_callers_sample_is_not_modified(case):
+    model = case.build_model(dropout=0.1)
+    model.train()
+    sample = case.make_sample()
+    before = {k: v.clone() for k, v in sample["net_input"].items()}
+    target = sample["target"].clone()
+    run(case.ours(alpha=1.0), model, sample)
+    assert sample["net_input"].keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(sample["net_input"][k], v)
+    assert torch.equal(sample["target"], target)
+
+
+def test_logged_metrics_are_per_token_and_comparable_to_the_baseline(case):
+    """loss/nll_loss: mean of the two passes; the consistency term on its own, base 2."""
+    model = case.build_model(dropout=0.2)
+    model.train()
+    sample = case.make_sample()
+    criterion = case.ours(alpha=3.0, two_passes=False)
+    _, _, logs, _ = run(criterion, model, sample)
+    with metrics.aggregate() as agg:
+        type(criterion).reduce_metrics([logs])
+    key = CONSISTENCY_KEY.get(case.name, "rdrop_kl")
+    size = logs["sample_size"]
+    assert agg[key].avg == pytest.approx(float(logs[key]) / size / math.log(2), rel=1e-3, abs=1e-4)
+    assert agg["loss"].avg == pytest.approx(float(logs["loss"]) / size / math.log(2), rel=1e-3)
+
+
+# --- options and bad input ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alpha", [-1.0, float("nan"), float("inf")])
+def test_invalid_alpha_is_rejected_naming_the_flag(case, alpha):
+    case.build_model(dropout=0.1)
+    with pytest.raises(ValueError, match="--rdrop-alpha"):
+        case.ours(alpha=alpha)
+
+
+def test_off_criterion_says_so(case, caplog):
+    case.build_model(dropout=0.1)
+    with caplog.at_level(logging.WARNING):
+        case.ours(alpha=0.0)
+    assert "R-Drop is off" in caplog.text
+
+
+def test_undoubleable_batch_names_the_key(case):
+    model = case.build_model(dropout=0.1)
+    model.train()
+    sample = case.make_sample()
+    sample["net_input"]["src_lengths"] = sample["net_input"]["src_lengths"][:-1]
+    with pytest.raises(RDropBatchError, match=r"net_input\['src_lengths'\]"):
+        case.ours(alpha=1.0)(model, sample)
+
+
+@pytest.mark.parametrize("ignore_prefix_size", [0, 1])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_label_smoothing_and_prefix_options_follow_the_formula(label_smoothing, ignore_prefix_size):
+    case = translation_case()
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample()
+    opts = dict(label_smoothing=label_smoothing, ignore_prefix_size=ignore_prefix_size)
+    loss, _, logs, _ = run(case.ours(alpha=5.0, **opts), model, sample, seed=3)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        ref_loss, ref_kl = case.reference(model, doubled(sample), 5.0, **opts)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=2e-5, atol=1e-5)
+    torch.testing.assert_close(logs["rdrop_kl"].double(), ref_kl, rtol=2e-5, atol=1e-6)
+
+
+def test_sentence_avg_and_accuracy_are_reported_per_original_batch():
+    case = translation_case()
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample()
+    _, sample_size, logs, _ = run(
+        case.ours(alpha=5.0, sentence_avg=True, report_accuracy=True), model, sample)
+    assert sample_size == sample["nsentences"]
+    assert logs["total"] == sample["ntokens"]  # mean over the two passes
+    assert 0 <= logs["n_correct"] <= logs["total"]
+
+
+def test_adaptive_loss_rdrop_needs_an_adaptive_softmax():
+    lm = lm_case(adaptive=False)
+    model = lm.build_model(dropout=0.1)
+    model.train()
+    criterion = AdaptiveLossRDrop(lm.task, False, rdrop_alpha=1.0)
+    with pytest.raises(ValueError, match="adaptive softmax"):
+        criterion(model, lm.make_sample())
+
+
+def test_adaptive_full_distribution_is_fairseqs():
+    from rdrop_fairseq.criterions.adaptive_loss_rdrop import full_log_prob
+
+    lm = lm_case(adaptive=True)
+    model = lm.build_model(dropout=0.1, softmax_dropout=0.2)
+    model.eval()
+    asm = model.decoder.adaptive_softmax
+    features = torch.randn(7, 16)
+    with torch.no_grad():
+        ours = full_log_prob(asm, features)
+        theirs = asm.get_log_prob(features.unsqueeze(0), None).squeeze(0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.exp().sum(-1), torch.ones(7), rtol=1e-5, atol=1e-5)
+
+
+def test_adaptive_softmax_dropout_alone_makes_the_passes_differ():
+    lm = lm_case(adaptive=True)
+    model = lm.build_model(dropout=0.0, softmax_dropout=0.3)
+    model.train()
+    loss, _, logs, grads = run(lm.ours(alpha=1.0), model, lm.make_sample())
+    assert logs["rdrop_kl"] > 1e-4 and torch.isfinite(loss).all()
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_adaptive_nll_is_the_true_one_where_fairseq_drops_a_tail_term():
+    """fairseq's adaptive_loss compares tail-relative targets with padding_idx, so the word
+    at id cutoff[i] + padding_idx loses its tail term; ours is -log p(w), as fairseq-eval-lm."""
+    lm = lm_case(adaptive=True)
+    model = lm.build_model(dropout=0.0)
+    model.eval()
+    sample = lm.make_sample(avoid=(0, 0))
+    target = sample["target"]
+    assert target.eq(11).any() or target.eq(21).any()
+    features = model(**sample["net_input"])[0].reshape(-1, 16)
+    lprobs = model.decoder.adaptive_softmax.get_log_prob(features.unsqueeze(0), None)[0]
+    nll = -lprobs.gather(1, target.view(-1, 1)).squeeze(1)[target.view(-1).ne(1)].sum()
+    model.train()  # no dropout: both passes equal the eval pass
+    _, _, logs, _ = run(lm.ours(alpha=0.0, two_passes=True), model, sample)
+    torch.testing.assert_close(logs["loss"].double(), nll.double(), rtol=1e-5, atol=1e-5)
+    fairseq_loss = lm.parent()(model, sample)[0]
+    assert fairseq_loss.item() < nll.item() - 1e-3
