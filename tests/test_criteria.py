@@ -57,7 +57,8 @@ def make_dictionary(n=VOCAB):
 
 def parse(argv):
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, ["/dev/null", "--cpu", *argv])
+    args = options.parse_args_and_arch(
+        parser, ["/dev/null", "--cpu", "--optimizer", "adam", "--lr", "1e-3", *argv])
     return args, convert_namespace_to_omegaconf(args)
 
 
@@ -78,6 +79,7 @@ class Case:
     parent: Callable  # task, **kw -> fairseq criterion
     reference: Callable  # (model, pair_sample, alpha, **kw) -> (loss, consistency) float64
     task: object = None
+    cfg: object = None
 
 
 def translation_case():
@@ -92,7 +94,7 @@ def translation_case():
             "--decoder-attention-heads", "2", "--dropout", str(dropout),
             "--attention-dropout", str(dropout), "--activation-dropout", str(dropout),
         ])
-        case.task = TranslationTask(cfg.task, d, d)
+        case.task, case.cfg = TranslationTask(cfg.task, d, d), cfg
         return case.task.build_model(cfg.model)
 
     def make_sample(extra_pad=0):
@@ -166,7 +168,7 @@ def lm_case(adaptive):
             "--dropout", str(dropout), "--attention-dropout", str(dropout),
             "--activation-dropout", str(dropout), "--ddp-backend", "legacy_ddp",
         ])
-        case.task = LanguageModelingTask(cfg.task, d)
+        case.task, case.cfg = LanguageModelingTask(cfg.task, d), cfg
         return case.task.build_model(cfg.model)
 
     def make_sample(extra_pad=0, avoid=(11, 21)):
@@ -238,7 +240,7 @@ def sentence_case(regression):
             "--activation-dropout", str(dropout), "--pooler-dropout", str(dropout),
             *(["--regression-target"] if regression else []),
         ])
-        case.task = SentencePredictionTask(cfg.task, d, labels)
+        case.task, case.cfg = SentencePredictionTask(cfg.task, d, labels), cfg
         model = case.task.build_model(cfg.model)
         model.register_classification_head(HEAD, num_classes=num_classes)
         return model
@@ -583,3 +585,24 @@ def test_adaptive_nll_is_the_true_one_where_fairseq_drops_a_tail_term():
     torch.testing.assert_close(logs["loss"].double(), nll.double(), rtol=1e-5, atol=1e-5)
     fairseq_loss = lm.parent()(model, sample)[0]
     assert fairseq_loss.item() < nll.item() - 1e-3
+
+
+@pytest.mark.parametrize("name", ["translation", "classification"])
+def test_fairseq_trainer_dummy_batch_gives_zero_gradient(name):
+    """An empty batch (e.g. an exhausted shard in distributed training) makes fairseq's
+    Trainer replay its dummy batch with ignore_grad: the criterion must run and add nothing."""
+    from fairseq.trainer import Trainer
+
+    case = CASES[name]()
+    model = case.build_model(dropout=0.3)
+    criterion = case.ours(alpha=5.0)
+    sample = case.make_sample()
+    trainer = Trainer(case.cfg, case.task, model, criterion)
+    trainer.reset_dummy_batch(sample)
+
+    logs = trainer.train_step([sample])
+    assert logs["loss"] > 0 and logs["rdrop_kl"] > 0
+    trainer.train_step([{}])  # empty: replaced by the dummy batch, loss * 0
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(g.abs().sum() == 0 for g in grads)
+    assert trainer.get_num_updates() == 2
