@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-VENV=${VENV:-.venv}
+VENV=$(realpath -m "${VENV:-.venv}")
 FAIRSEQ_WHEEL=${FAIRSEQ_WHEEL:-ve-fairseq==0.12.3}
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -13,14 +13,15 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
-if ! "$VENV/bin/python" -c "import fairseq, rdrop_fairseq" 2>/dev/null; then
+# checked from / so that the repository's own rdrop_fairseq/ does not count as installed
+if ! (cd / && "$VENV/bin/python" -c "import fairseq, rdrop_fairseq, pytest") 2>/dev/null; then
   echo "[setup] installing torch (CPU), fairseq and rdrop-fairseq into $VENV"
   "${PIP[@]}" -r requirements/torch-cpu.txt
   "${PIP[@]}" -r requirements/fairseq.txt
   "${PIP[@]}" --no-deps "$FAIRSEQ_WHEEL"
   "${PIP[@]}" -e ".[test]"
 fi
-"$VENV/bin/python" - <<'PY'
+(cd / && "$VENV/bin/python" -) <<'PY'
 import fairseq, numpy, torch, rdrop_fairseq
 print(f"[setup] ok: torch {torch.__version__}, fairseq {fairseq.__version__}, "
       f"numpy {numpy.__version__}, rdrop_fairseq {rdrop_fairseq.__version__}")
