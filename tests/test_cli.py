@@ -585,6 +585,23 @@ def test_rdrop_without_dropout_warns_and_kl_is_zero(translation_data, user_dir, 
     assert all(line.get("rdrop_kl") == 0 for line in lines), lines
 
 
+def test_two_passes_without_kl_ablation_from_the_cli(translation_data, user_dir, tmp_path):
+    """Appendix C.2: --rdrop-alpha 0 --rdrop-two-passes trains on [x; x] without the KL,
+    still logging how far apart the passes are; a baseline run logs no rdrop_kl."""
+    ablation = check_ok(run(translation_train_cmd(
+        translation_data, user_dir, tmp_path / "a", 6, "--rdrop-alpha", "0",
+        "--rdrop-two-passes", "--dropout", "0.3", "--log-interval", "1", "--no-save"),
+        cwd=tmp_path))
+    assert "R-Drop is off" not in ablation.output, tail(ablation)
+    lines = parse_stats(ablation.stdout)["train_inner"]
+    assert len(lines) == 6 and all(positive_finite(line.get("rdrop_kl")) for line in lines)
+    off = check_ok(run(translation_train_cmd(
+        translation_data, user_dir, tmp_path / "b", 2, "--rdrop-alpha", "0", "--dropout", "0.3",
+        "--log-interval", "1", "--no-save"), cwd=tmp_path))
+    assert "R-Drop is off" in off.output, tail(off)
+    assert all("rdrop_kl" not in line for line in parse_stats(off.stdout)["train_inner"])
+
+
 # --------------------------------------------------------------------------- hydra
 
 

@@ -507,6 +507,15 @@ def test_undoubleable_batch_names_the_key(case):
         case.ours(alpha=1.0)(model, sample)
 
 
+def test_sample_without_target_is_a_clear_error(case):
+    model = case.build_model(dropout=0.1)
+    model.train()
+    sample = case.make_sample()
+    del sample["target"]
+    with pytest.raises(RDropBatchError, match="'target'"):
+        case.ours(alpha=1.0)(model, sample)
+
+
 @pytest.mark.parametrize("ignore_prefix_size", [0, 1])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_label_smoothing_and_prefix_options_follow_the_formula(label_smoothing, ignore_prefix_size):

@@ -15,7 +15,7 @@ from fairseq.dataclass import FairseqDataclass
 from fairseq.logging import metrics
 from fairseq.modules import FairseqDropout
 
-from ..core import duplicate_net_input
+from ..core import RDropBatchError, duplicate_net_input
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,12 @@ class RDropMixin:
                     "both passes are identical and the R-Drop KL is always 0. Set --dropout "
                     "(and/or --attention-dropout, --activation-dropout) above 0"
                 )
-        target = sample["target"]
+        target = sample.get("target")
+        if not torch.is_tensor(target):
+            raise RDropBatchError(
+                "R-Drop needs the sample's 'target' tensor (batch in dim 0) to pair the two "
+                f"passes; this task's samples have keys {sorted(sample)}"
+            )
         pair = dict(sample)
         pair["net_input"] = duplicate_net_input(sample["net_input"], target.size(0))
         pair["target"] = torch.cat([target, target], dim=0)
