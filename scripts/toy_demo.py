@@ -8,6 +8,7 @@ It shows the plugin working end to end; the toy task is too easy to show R-Drop'
 """
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def run(cmd, log_path, show=None):
     """Run a command, streaming the lines matching ``show`` so progress is visible."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+                                stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
         for line in proc.stdout:
             log.write(line)
             if show and re.search(show, line):
