@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Quick demo: baseline vs R-Drop on a generated toy translation task, through the CLIs.
+"""Quick demo: R-Drop training on a generated toy translation task, through the CLIs.
 
-Runs fairseq-preprocess, then fairseq-train twice (label_smoothed_cross_entropy, and
-label_smoothed_cross_entropy_rdrop with --rdrop-alpha 5) with the same small transformer,
-then fairseq-generate on the test set, and prints a table. A few minutes on 2 CPU cores.
-It shows the plugin working end to end; the toy task is too easy to show R-Drop's gain.
+Runs fairseq-preprocess, fairseq-train with label_smoothed_cross_entropy_rdrop
+(--rdrop-alpha 5, --eval-bleu) on a small transformer, then fairseq-generate on the test
+set, and prints a table (about 4 minutes on 2 CPU cores). ``--with-baseline`` also trains
+the same model with fairseq's label_smoothed_cross_entropy. The toy task is noise-free, so
+there is nothing for a regulariser to fix: at equal updates R-Drop lags the baseline here
+(measured: test BLEU 55 vs 82 after 1500 updates). It shows the plugin working end to end,
+not R-Drop's gain.
 """
 
 import argparse
@@ -37,11 +40,9 @@ MODEL = [
     "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "50",
     "--no-progress-bar", "--num-workers", "0",
 ]
-RUNS = {
-    "baseline": ["--criterion", "label_smoothed_cross_entropy"],
-    "R-Drop (alpha 5)": ["--criterion", "label_smoothed_cross_entropy_rdrop",
-                         "--rdrop-alpha", "5"],
-}
+RDROP = ("R-Drop (alpha 5)", ["--criterion", "label_smoothed_cross_entropy_rdrop",
+                                "--rdrop-alpha", "5"])
+BASELINE = ("baseline", ["--criterion", "label_smoothed_cross_entropy"])
 
 
 def run(cmd, log_path, show=None):
@@ -63,7 +64,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="work/toy-demo")
     p.add_argument("--max-update", type=int, default=1500)
+    p.add_argument("--with-baseline", action="store_true",
+                   help="also train the baseline (fairseq's label_smoothed_cross_entropy)")
     a = p.parse_args()
+    runs = [BASELINE, RDROP] if a.with_baseline else [RDROP]
     out = Path(a.out)
     raw = write_corpus(out / "raw", {"train": 4000, "valid": 200, "test": 200})
     print(f"[demo] toy corpus in {raw}; binarizing", flush=True)
@@ -72,7 +76,7 @@ def main():
          "--destdir", out / "bin", "--joined-dictionary", "--workers", "1"],
         out / "preprocess.log")
     rows = []
-    for name, criterion in RUNS.items():
+    for name, criterion in runs:
         save = out / re.sub(r"\W+", "_", name).strip("_").lower()
         print(f"[demo] training {name} for {a.max_update} updates", flush=True)
         start = time.time()
@@ -85,11 +89,14 @@ def main():
                    "--batch-size", "64"], save.with_suffix(".generate.log"))
         bleu = float(re.search(r"BLEU4 = ([\d.]+)", gen).group(1))
         best = re.findall(r"best_bleu ([\d.]+)", log)
-        rows.append((name, float(best[-1]) if best else float("nan"), bleu, minutes))
-    print("\n| run | best valid BLEU (greedy) | test BLEU (beam 5) | train minutes |")
-    print("|---|---|---|---|")
-    for name, valid, test, minutes in rows:
-        print(f"| {name} | {valid:.2f} | {test:.2f} | {minutes:.1f} |")
+        kl = re.findall(r"\| train \|.*? rdrop_kl ([\d.]+)", log)
+        rows.append((name, float(best[-1]) if best else float("nan"), bleu,
+                     kl[-1] if kl else "-", minutes))
+    print("\n| run | best valid BLEU (greedy) | test BLEU (beam 5) | last train rdrop_kl "
+          "| train minutes |")
+    print("|---|---|---|---|---|")
+    for name, valid, test, kl, minutes in rows:
+        print(f"| {name} | {valid:.2f} | {test:.2f} | {kl} | {minutes:.1f} |")
     print(f"\nlogs and checkpoints: {out}/")
 
 
