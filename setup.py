@@ -13,7 +13,11 @@ setup(
     # "fairseq" (0.12.2) does not import on Python 3.11 and would replace a user's own
     # fairseq. Install one yourself (see README: requirements/fairseq.txt).
     install_requires=["torch>=1.13", "numpy"],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={
+        "test": ["pytest>=7"],
+        # the recipes in scripts/ (tokenisation, BPE)
+        "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8"],
+    },
     classifiers=[
         "Programming Language :: Python :: 3",
         "License :: OSI Approved :: MIT License",
