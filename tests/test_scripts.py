@@ -1,9 +1,13 @@
-"""The README's first command, shrunk: scripts/toy_demo.py end to end on a few updates."""
+"""The scripts: the README's first command (the toy demo, shrunk), data preparation and
+BLEU scoring."""
 
+import math
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,3 +71,59 @@ def test_prepare_translation_exports_the_committed_libreoffice_corpus(tmp_path):
     de = (tmp_path / "test.de").read_text(encoding="utf-8").splitlines()
     en = (tmp_path / "test.en").read_text(encoding="utf-8").splitlines()
     assert list(zip(de, en)) == pairs
+
+
+def test_tokenized_bleu_matches_a_hand_computed_multi_bleu_value(tmp_path):
+    """Two sentences, n-gram counts worked out by hand:
+
+    "the cat sat on the mat" vs "the cat sat on a mat": 1-grams 5/6 ("the" clipped to 1),
+    2-grams 3/5, 3-grams 2/4, 4-grams 1/3; "a b c d" vs "a b c d e": 4/4, 3/3, 2/2, 1/1.
+    Corpus: p = 9/10, 6/8, 4/6, 2/4; hypothesis length 10, reference length 11, so the
+    brevity penalty is exp(1 - 11/10).
+    """
+    hyps = ["the cat sat on the mat", "a b c d"]
+    refs = ["the cat sat on a mat", "a b c d e"]
+    expected = 100 * math.exp(1 - 11 / 10) * math.exp(
+        (math.log(9 / 10) + math.log(6 / 8) + math.log(4 / 6) + math.log(2 / 4)) / 4)
+    assert expected == pytest.approx(62.32, abs=0.01)
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from score_bleu import tokenized_bleu
+
+    assert tokenized_bleu(hyps, refs).score == pytest.approx(expected, abs=1e-6)
+    # multi-bleu.perl is case-sensitive and unsmoothed: no 4-gram match gives 0
+    assert tokenized_bleu(["The cat sat on the mat"], ["the cat sat on the mat"]).score < 100
+    assert tokenized_bleu(["the cat sat on"], ["the cat lay on"]).score == 0
+
+    # the same through the CLI, from fairseq-generate's output format
+    gen = tmp_path / "gen.out"
+    gen.write_text("".join(f"S-{i}\tsrc\nT-{i}\t{r}\nH-{i}\t-0.5\t{h}\nD-{i}\t-0.5\t{h}\n"
+                           for i, (h, r) in reversed(list(enumerate(zip(hyps, refs))))))
+    out = subprocess.run([sys.executable, REPO / "scripts" / "score_bleu.py",
+                          "--generate-output", gen, "--tokenized"],
+                         capture_output=True, text=True, check=True).stdout
+    assert re.search(r"tokenized BLEU \(multi-bleu.perl\) = 62\.32,", out), out
+
+
+def test_compound_splitting_follows_fairseqs_convention():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from score_bleu import compound_split, tokenized_bleu
+
+    assert compound_split("state-of-the-art x") == \
+        "state ##AT##-##AT## of ##AT##-##AT## the ##AT##-##AT## art x"
+    assert compound_split("a - b") == "a - b"  # a free-standing hyphen is left alone
+    # splitting turns one wrong compound into partly matching tokens
+    hyp = ["wir haben einen Test-Fall für das neue System heute"]
+    ref = ["wir haben einen Test-Satz für das neue System heute"]
+    plain, split = tokenized_bleu(hyp, ref), tokenized_bleu(hyp, ref, compound=True)
+    assert plain.sys_len == 9 and split.sys_len == 11
+    assert split.score > plain.score
+
+
+def test_sacrebleu_mode_prints_the_signature(tmp_path):
+    (tmp_path / "hyp").write_text("The cat sat on the mat.\n")
+    (tmp_path / "ref").write_text("The cat sat on the mat.\n")
+    out = subprocess.run([sys.executable, REPO / "scripts" / "score_bleu.py",
+                          "--hyp", tmp_path / "hyp", "--ref", tmp_path / "ref"],
+                         capture_output=True, text=True, check=True).stdout
+    assert re.search(r"sacreBLEU = 100\.00\s+nrefs:1\|case:mixed\|eff:no\|tok:13a", out), out
