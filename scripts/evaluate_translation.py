@@ -1,0 +1,92 @@
+#!/usr/bin/env python
+"""Translate the test set with fairseq-generate and score it as the paper does.
+
+Per recipe: beam 5 / lenpen 1.0 for IWSLT, beam 4 / lenpen 0.6 for WMT14; tokenized BLEU
+(multi-bleu.perl equivalent) for En<->De and WMT14, with compound splitting for WMT14
+En->De; sacreBLEU (detokenised with sacremoses, signature printed) for the other pairs.
+
+    python scripts/evaluate_translation.py iwslt --data work/iwslt14.de-en/bin --src de --tgt en \\
+        --checkpoint checkpoints/iwslt14-rdrop/checkpoint_best.pt
+    # the paper's checkpoint averaging first:
+    python scripts/average_checkpoints.py --inputs SAVE_DIR --num-epoch-checkpoints 5 --output avg.pt
+
+Writes ``OUT`` (default: next to the checkpoint, ``generate-SUBSET.txt``) and prints the score.
+Environment variables: DATA, CHECKPOINT, SRC, TGT.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sacremoses import MosesDetokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from score_bleu import read_generate_output, tokenized_bleu  # noqa: E402
+
+import sacrebleu  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DECODING = {"iwslt": {"beam": 5, "lenpen": 1.0}, "wmt14": {"beam": 4, "lenpen": 0.6}}
+
+
+def metric_for(recipe, src, tgt):
+    """The paper's BLEU for a recipe and language pair."""
+    if recipe == "wmt14":
+        return "tokenized+compound" if tgt == "de" else "tokenized"
+    return "tokenized" if {src, tgt} == {"de", "en"} else "sacrebleu"
+
+
+def score(metric, hyps, refs, tgt):
+    if metric.startswith("tokenized"):
+        result = tokenized_bleu(hyps, refs, compound=metric.endswith("compound"))
+        return f"tokenized BLEU ({metric}) = {result.score:.2f}", result.score
+    detok = MosesDetokenizer(lang=tgt)
+    hyps = [detok.detokenize(h.split()) for h in hyps]
+    refs = [detok.detokenize(r.split()) for r in refs]
+    bleu = sacrebleu.metrics.BLEU(trg_lang=tgt)
+    result = bleu.corpus_score(hyps, [refs])
+    return f"sacreBLEU = {result.score:.2f}  {bleu.get_signature()}", result.score
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe", choices=sorted(DECODING))
+    p.add_argument("--data", default=os.environ.get("DATA"), required="DATA" not in os.environ)
+    p.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT"),
+                   required="CHECKPOINT" not in os.environ)
+    p.add_argument("--src", default=os.environ.get("SRC", "de"))
+    p.add_argument("--tgt", default=os.environ.get("TGT", "en"))
+    p.add_argument("--subset", default="test")
+    p.add_argument("--beam", type=int)
+    p.add_argument("--lenpen", type=float)
+    p.add_argument("--metric", choices=["tokenized", "tokenized+compound", "sacrebleu"])
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--out", help="where to write fairseq-generate's output")
+    a = p.parse_args(argv)
+    checkpoint = Path(a.checkpoint)
+    if not checkpoint.is_file():
+        p.error(f"no checkpoint {checkpoint}")
+    beam = a.beam or DECODING[a.recipe]["beam"]
+    lenpen = a.lenpen if a.lenpen is not None else DECODING[a.recipe]["lenpen"]
+    metric = a.metric or metric_for(a.recipe, a.src, a.tgt)
+    out = Path(a.out) if a.out else checkpoint.with_name(f"generate-{a.subset}.txt")
+    cmd = [str(Path(sys.executable).parent / "fairseq-generate"), a.data,
+           "--user-dir", str(REPO / "rdrop_fairseq"), "--path", str(checkpoint),
+           "--source-lang", a.src, "--target-lang", a.tgt, "--gen-subset", a.subset,
+           "--beam", str(beam), "--lenpen", str(lenpen), "--remove-bpe",
+           "--batch-size", str(a.batch_size), "--required-batch-size-multiple", "1"]
+    if a.cpu:
+        cmd.append("--cpu")
+    print(f"[evaluate] beam {beam}, lenpen {lenpen}, {metric}: {' '.join(cmd)}", flush=True)
+    with open(out, "w", encoding="utf-8") as f:
+        subprocess.run(cmd, stdout=f, check=True)
+    hyps, refs = read_generate_output(out)
+    line, _ = score(metric, hyps, refs, a.tgt)
+    print(f"{a.subset}: {len(hyps)} sentences, {line}\n(output: {out})")
+
+
+if __name__ == "__main__":
+    main()

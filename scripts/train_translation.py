@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Train a translation recipe of the paper with fairseq-hydra-train: R-Drop, or by one switch
+the baseline or an appendix ablation.
+
+Recipes (configs/ holds the paper's hyper-parameters):
+  iwslt   transformer_iwslt_de_en, alpha 5   (IWSLT14 De<->En, En<->Fr, En<->Es; IWSLT17 En<->Zh)
+  wmt14   transformer_vaswani_wmt_en_de_big, alpha 5   (WMT14 En->De, En->Fr)
+
+Modes:
+  rdrop          R-Drop (the default)
+  baseline       --rdrop-alpha 0: exactly fairseq's label_smoothed_cross_entropy
+  no-kl          two passes without the KL (appendix C.2)
+  doubled-batch  the baseline with twice the max tokens per batch (appendix C.1)
+
+    python scripts/train_translation.py iwslt --data work/iwslt14.de-en/bin --src de --tgt en \\
+        --save-dir checkpoints/iwslt14-rdrop [--mode baseline] [--seed 2] [--max-update 300000]
+    # anything after -- is passed to fairseq-hydra-train as overrides, e.g.
+    python scripts/train_translation.py wmt14 ... -- common.fp16=true
+
+Every option has an environment variable: DATA, SAVE_DIR, SRC, TGT, MODE, ALPHA, SEED,
+MAX_UPDATE, MAX_TOKENS, UPDATE_FREQ. fairseq uses every visible GPU (CUDA_VISIBLE_DEVICES);
+keep GPUs x update-freq equal to the paper's (1 x 1 for iwslt, 8 x 16 for wmt14).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = {"iwslt": "transformer_iwslt_de_en_rdrop", "wmt14": "transformer_wmt14_big_rdrop"}
+PAPER_MAX_TOKENS = 4096
+MODES = ("rdrop", "baseline", "no-kl", "doubled-batch")
+
+
+def env(name, default=None):
+    return os.environ.get(name, default)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("recipe", choices=sorted(RECIPES))
+    p.add_argument("--data", default=env("DATA"), help="fairseq data-bin directory")
+    p.add_argument("--save-dir", default=env("SAVE_DIR"))
+    p.add_argument("--src", default=env("SRC"), help="source language (default: the config's)")
+    p.add_argument("--tgt", default=env("TGT"))
+    p.add_argument("--mode", choices=MODES, default=env("MODE", "rdrop"))
+    p.add_argument("--alpha", type=float, default=env("ALPHA"), help="default: the paper's 5")
+    p.add_argument("--seed", type=int, default=int(env("SEED", 1)))
+    p.add_argument("--max-update", type=int, default=env("MAX_UPDATE"))
+    p.add_argument("--max-tokens", type=int, default=int(env("MAX_TOKENS", PAPER_MAX_TOKENS)))
+    p.add_argument("--update-freq", type=int, default=env("UPDATE_FREQ"))
+    p.add_argument("--cpu", action="store_true", help="train on the CPU")
+    overrides = []
+    if "--" in argv:  # after --: fairseq-hydra-train overrides, passed through
+        argv, overrides = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    a = p.parse_args(argv)
+    a.overrides = overrides
+    for name in ("data", "save_dir"):
+        if not getattr(a, name):
+            p.error(f"--{name.replace('_', '-')} (or ${name.upper()}) is required")
+    if not (Path(a.data) / "dict.txt").exists() and not list(Path(a.data).glob("dict.*.txt")):
+        p.error(f"{a.data} is not a fairseq data-bin (no dict.*.txt): run prepare_translation.py")
+    return a
+
+
+def hydra_command(a):
+    user_dir = REPO / "rdrop_fairseq"
+    cmd = [str(Path(sys.executable).parent / "fairseq-hydra-train"),
+           "--config-dir", str(REPO / "configs"), "--config-name", RECIPES[a.recipe],
+           f"common.user_dir={user_dir}", f"task.data={Path(a.data).resolve()}",
+           f"checkpoint.save_dir={Path(a.save_dir).resolve()}",
+           f"hydra.run.dir={Path(a.save_dir).resolve() / 'hydra'}",
+           f"common.seed={a.seed}"]
+    if a.src:
+        cmd.append(f"task.source_lang={a.src}")
+    if a.tgt:
+        cmd.append(f"task.target_lang={a.tgt}")
+    alpha = a.alpha
+    max_tokens = a.max_tokens
+    if a.mode != "rdrop":
+        if alpha not in (None, 0):
+            sys.exit(f"error: --alpha {alpha} contradicts --mode {a.mode} (which has no KL)")
+        alpha = 0.0
+    if a.mode == "no-kl":
+        cmd.append("criterion.rdrop_two_passes=true")
+    if a.mode == "doubled-batch":
+        max_tokens *= 2
+    if alpha is not None:
+        cmd.append(f"criterion.rdrop_alpha={alpha}")
+    cmd.append(f"dataset.max_tokens={max_tokens}")
+    if a.max_update:
+        cmd.append(f"optimization.max_update={a.max_update}")
+    if a.update_freq:
+        cmd.append(f"optimization.update_freq=[{a.update_freq}]")
+    if a.cpu:
+        cmd.append("common.cpu=true")
+    return cmd + a.overrides
+
+
+def main(argv=None):
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    cmd = hydra_command(a)
+    print("[train] " + " ".join(cmd), flush=True)
+    Path(a.save_dir).mkdir(parents=True, exist_ok=True)
+    sys.exit(subprocess.call(cmd))
+
+
+if __name__ == "__main__":
+    main()

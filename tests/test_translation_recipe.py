@@ -1,0 +1,97 @@
+"""The translation recipe end to end on a tiny slice: prepare -> train -> average -> evaluate,
+and what each --mode turns into."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import train_translation  # noqa: E402
+from evaluate_translation import metric_for  # noqa: E402
+from toy_data import write_corpus  # noqa: E402
+
+TINY_MODEL = [f"model.{side}_{k}={v}" for side in ("encoder", "decoder")
+              for k, v in (("layers", 1), ("embed_dim", 32), ("ffn_embed_dim", 64),
+                           ("attention_heads", 2))]
+
+
+def run(cmd, **kw):
+    env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1", "HOME": "/tmp"}
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600,
+                          env=env, **kw)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture
+def overrides(tmp_path):
+    """The fairseq-hydra-train command a --mode turns into (no training)."""
+    (tmp_path / "dict.de.txt").write_text("")  # parse_args insists on a data-bin
+
+    def command(mode, *extra):
+        a = train_translation.parse_args(["iwslt", "--data", str(tmp_path), "--save-dir",
+                                          str(tmp_path / "save"), "--mode", mode, *extra])
+        return train_translation.hydra_command(a)
+    return command
+
+
+@pytest.mark.parametrize("mode, expected, absent", [
+    ("rdrop", ["dataset.max_tokens=4096"], ["criterion.rdrop_alpha=0.0"]),
+    ("baseline", ["criterion.rdrop_alpha=0.0", "dataset.max_tokens=4096"], ["rdrop_two_passes"]),
+    ("no-kl", ["criterion.rdrop_alpha=0.0", "criterion.rdrop_two_passes=true",
+               "dataset.max_tokens=4096"], []),
+    ("doubled-batch", ["criterion.rdrop_alpha=0.0", "dataset.max_tokens=8192"],
+     ["rdrop_two_passes"]),
+])
+def test_modes_map_to_the_paper_settings(overrides, mode, expected, absent):
+    cmd = overrides(mode)
+    for item in expected:
+        assert item in cmd
+    assert not [c for c in cmd if any(a in c for a in absent)]
+
+
+def test_alpha_with_a_kl_free_mode_is_refused(overrides):
+    with pytest.raises(SystemExit, match="contradicts"):
+        overrides("baseline", "--alpha", "5")
+
+
+def test_paper_metrics_per_recipe_and_pair():
+    assert metric_for("iwslt", "de", "en") == "tokenized"
+    assert metric_for("iwslt", "en", "de") == "tokenized"
+    assert metric_for("iwslt", "en", "fr") == "sacrebleu"
+    assert metric_for("wmt14", "en", "de") == "tokenized+compound"
+    assert metric_for("wmt14", "en", "fr") == "tokenized"
+
+
+def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
+    write_corpus(tmp_path / "raw", {"train": 300, "valid": 20, "test": 20}, vocab=30,
+                 max_len=8)
+    prep = tmp_path / "prep"
+    run([sys.executable, REPO / "scripts" / "prepare_translation.py", "--raw", tmp_path / "raw",
+         "--out", prep, "--bpe-merges", "30"])
+    save = tmp_path / "ckpt"
+    out = run([sys.executable, REPO / "scripts" / "train_translation.py", "iwslt",
+               "--data", prep / "bin", "--save-dir", save, "--max-update", "6",
+               "--max-tokens", "4096", "--cpu", "--", *TINY_MODEL,
+               "task.eval_bleu_args='{\"beam\": 1, \"max_len_b\": 10}'", "common.log_interval=1"])
+    kls = [float(x) for x in re.findall(r"rdrop_kl=([\d.]+)", out)]
+    assert len(kls) == 6 and all(k > 0 for k in kls), out[-3000:]
+    assert re.search(r"valid on 'valid' subset .*\| bleu [\d.]+", out), out[-3000:]
+    epochs = sorted(save.glob("checkpoint[0-9]*.pt"))
+    assert len(epochs) >= 2
+
+    avg = tmp_path / "avg.pt"
+    out = run([sys.executable, REPO / "scripts" / "average_checkpoints.py", "--inputs", save,
+               "--num-epoch-checkpoints", "2", "--output", avg])
+    assert "averaged 2 checkpoints" in out
+
+    out = run([sys.executable, REPO / "scripts" / "evaluate_translation.py", "iwslt",
+               "--data", prep / "bin", "--checkpoint", avg, "--src", "de", "--tgt", "en",
+               "--cpu", "--out", tmp_path / "gen.txt"])
+    m = re.search(r"test: (\d+) sentences, tokenized BLEU \(tokenized\) = ([\d.]+)", out)
+    assert m and int(m[1]) == 20 and 0 <= float(m[2]) <= 100, out
+    assert len(re.findall(r"^H-\d+", (tmp_path / "gen.txt").read_text(), re.M)) == 20
