@@ -7,7 +7,9 @@ Moses tokenisation with sacremoses, optional lower-casing, training pairs cleane
 subword-nmt, and ``fairseq-preprocess --joined-dictionary``.
 
 Input: ``RAW/{train,valid,test}.{SRC,TGT}``, one sentence per line; or ``--libreoffice``
-to take the corpus committed in data/libreoffice-help-de-en (de-en).
+to take the corpus committed in data/libreoffice-help-de-en (de-en). With
+``--valid-from-train N`` there is no RAW/valid: every N-th cleaned training pair becomes
+the validation set instead (fairseq's IWSLT14 recipe uses N = 23).
 
     python scripts/prepare_translation.py --libreoffice --out work/lo-de-en --bpe-merges 8000
     python scripts/prepare_translation.py --raw iwslt14/raw --src de --tgt en --lowercase \\
@@ -82,6 +84,8 @@ def main():
     p.add_argument("--lowercase", action="store_true")
     p.add_argument("--max-len", type=int, default=175)
     p.add_argument("--max-ratio", type=float, default=1.5)
+    p.add_argument("--valid-from-train", type=int, metavar="N",
+                   help="hold out every N-th cleaned training pair as the validation set")
     p.add_argument("--workers", type=int, default=1)
     a = p.parse_args()
 
@@ -91,13 +95,22 @@ def main():
         export_libreoffice(raw)
     tok = {}
     for split in SPLITS:
+        if split == "valid" and a.valid_from_train:
+            continue  # taken from train below
         src = tokenize(read_lines(raw / f"{split}.{a.src}"), a.src, a.lowercase)
         tgt = tokenize(read_lines(raw / f"{split}.{a.tgt}"), a.tgt, a.lowercase)
         if len(src) != len(tgt):
             sys.exit(f"error: {split}: {len(src)} {a.src} lines but {len(tgt)} {a.tgt} lines")
         if split == "train":
             src, tgt = clean(src, tgt, a.max_len, a.max_ratio)
+            if a.valid_from_train:
+                n = a.valid_from_train  # line numbers 1-based, as awk 'NR % n == 0'
+                tok["valid"] = (src[n - 1::n], tgt[n - 1::n])
+                src = [s for i, s in enumerate(src, 1) if i % n]
+                tgt = [t for i, t in enumerate(tgt, 1) if i % n]
         tok[split] = (src, tgt)
+    for split in SPLITS:
+        src, tgt = tok[split]
         write_lines(a.out / "tok" / f"{split}.{a.src}", src)
         write_lines(a.out / "tok" / f"{split}.{a.tgt}", tgt)
         print(f"[prepare] {split}: {len(src)} pairs tokenised", flush=True)
@@ -107,7 +120,8 @@ def main():
         learn_bpe(tok["train"][0] + tok["train"][1], out, a.bpe_merges)
     with open(codes, encoding="utf-8") as f:
         bpe = BPE(f)
-    for split, (src, tgt) in tok.items():
+    for split in SPLITS:
+        src, tgt = tok[split]
         write_lines(a.out / "bpe" / f"{split}.{a.src}", [bpe.process_line(s) for s in src])
         write_lines(a.out / "bpe" / f"{split}.{a.tgt}", [bpe.process_line(t) for t in tgt])
     print(f"[prepare] joint BPE with {a.bpe_merges} merges: {codes}", flush=True)

@@ -95,3 +95,43 @@ def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
     m = re.search(r"test: (\d+) sentences, tokenized BLEU \(tokenized\) = ([\d.]+)", out)
     assert m and int(m[1]) == 20 and 0 <= float(m[2]) <= 100, out
     assert len(re.findall(r"^H-\d+", (tmp_path / "gen.txt").read_text(), re.M)) == 20
+
+
+def test_prepare_iwslt_follows_fairseqs_iwslt14_recipe(tmp_path):
+    import tarfile
+
+    orig = tmp_path / "src" / "de-en"
+    orig.mkdir(parents=True)
+    train = {"de": [], "en": []}
+    for lang, word in (("de", "Haus"), ("en", "House")):
+        lines = ["<url>http://www.ted.com/talks/x</url>", "<talkid>1</talkid>",
+                 "<keywords>talks</keywords>", f"<title>{word} Titel</title>",
+                 f"<description>{word} Beschreibung</description>"]
+        lines += [f"{word} Nummer {i} ." for i in range(46)]
+        (orig / f"train.tags.de-en.{lang}").write_text("\n".join(lines) + "\n")
+        train[lang] = lines
+        for name, n in (("IWSLT14.TED.tst2011", 2), ("IWSLT14.TED.dev2010", 1),
+                        ("IWSLT14.TEDX.dev2012", 1), ("IWSLT14.TED.tst2010", 1)):
+            segs = "".join(f'<seg id="{i}"> {word} {name} {i} it\u2019s </seg>\n'
+                           for i in range(1, n + 1))
+            (orig / f"{name}.de-en.{lang}.xml").write_text(f"<doc>\n{segs}</doc>\n")
+    archive = tmp_path / "de-en.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(orig, arcname="de-en")
+
+    out = tmp_path / "iwslt"
+    run([sys.executable, REPO / "scripts" / "prepare_iwslt.py", "--archive", archive,
+         "--src", "de", "--tgt", "en", "--out", out, "--bpe-merges", "20"])
+    raw_train = (out / "raw" / "train.en").read_text().splitlines()
+    assert raw_train[:2] == ["House Titel", "House Beschreibung"]  # tags stripped, markup gone
+    assert len(raw_train) == 48
+    test = (out / "tok" / "test.en").read_text().splitlines()
+    assert [t.split()[1] for t in test] == [  # dev sets, then tst sets by year
+        "iwslt14.ted.dev2010", "iwslt14.tedx.dev2012", "iwslt14.ted.tst2010",
+        "iwslt14.ted.tst2011", "iwslt14.ted.tst2011"]
+    assert test[0].endswith("it 's")  # ’ -> ' then Moses tokenisation, lower-cased
+    valid = (out / "tok" / "valid.en").read_text().splitlines()
+    train_tok = (out / "tok" / "train.en").read_text().splitlines()
+    assert valid == ["house nummer 20 .", "house nummer 43 ."]  # lines 23 and 46 (awk NR%23)
+    assert len(train_tok) == 46 and not set(valid) & set(train_tok)
+    assert (out / "bin" / "test.de-en.de.bin").is_file()
