@@ -16,7 +16,7 @@ setup(
     extras_require={
         "test": ["pytest>=7"],
         # the recipes in scripts/ (tokenisation, BPE)
-        "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8"],
+        "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8", "matplotlib>=3.5"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -127,3 +127,31 @@ def test_sacrebleu_mode_prints_the_signature(tmp_path):
                           "--hyp", tmp_path / "hyp", "--ref", tmp_path / "ref"],
                          capture_output=True, text=True, check=True).stdout
     assert re.search(r"sacreBLEU = 100\.00\s+nrefs:1\|case:mixed\|eff:no\|tok:13a", out), out
+
+
+def test_libreoffice_demo_trains_scores_and_plots(tmp_path):
+    import json
+
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, REPO / "scripts" / "libreoffice_demo.py", "--quick", "--epochs", "1",
+         "--train-pairs", "200", "--seeds", "1", "2", "--runs", "baseline", "R-Drop",
+         "--out", out],
+        capture_output=True, text=True, timeout=900,
+        env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[R-Drop s2] epoch 1: valid BLEU" in proc.stdout  # progress is streamed
+    results = json.loads((out / "results.json").read_text())
+    assert results["size"]["pairs"] == 200
+    assert sorted(results["runs"]) == ["R-Drop", "baseline"]
+    for run in results["runs"].values():
+        assert run["seeds"] == [1, 2]
+        assert all(0 <= b <= 100 for b in run["test_bleu"])
+        assert [len(c) for c in run["valid_curves"]] == [1, 1]
+    for run in ("baseline", "R-Drop"):
+        assert re.search(rf"^\| {run} \| [\d.]+ ± [\d.]+ \| [\d.]+, [\d.]+ \|$", proc.stdout,
+                         re.M), proc.stdout[-1500:]
+    assert (out / "valid_bleu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    train_lines = (out / "data" / "tok" / "train.de").read_text().splitlines()
+    assert 150 < len(train_lines) <= 200  # the subset, after length cleaning

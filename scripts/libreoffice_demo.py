@@ -1,0 +1,209 @@
+#!/usr/bin/env python
+"""Baseline vs doubled batch vs R-Drop on real German-English text (LibreOffice help), on CPU.
+
+1. Takes a deterministic subset of the committed corpus (data/libreoffice-help-de-en) and
+   prepares it (sacremoses, joint BPE, fairseq-preprocess).
+2. Trains a small transformer_iwslt_de_en three ways, for each seed, several runs at a time
+   (one CPU thread each): the baseline, the baseline with a doubled batch (appendix C.1) and
+   R-Drop (alpha 5), streaming each epoch's validation BLEU.
+3. Scores each run's best checkpoint on the test set (beam 5, tokenized BLEU) and prints a
+   table (mean and standard deviation over seeds); plots the validation curves to a PNG
+   (like the paper's appendix figure 3) and writes everything to OUT/results.json.
+
+    python scripts/libreoffice_demo.py --out work/lo-demo --seeds 1 2 3
+    python scripts/libreoffice_demo.py --quick     # a few minutes: small subset and model
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+REPO = SCRIPTS.parent
+BIN = Path(sys.executable).parent
+sys.path.insert(0, str(SCRIPTS))
+from prepare_libreoffice_corpus import read_pairs  # noqa: E402
+from score_bleu import read_generate_output, tokenized_bleu  # noqa: E402
+
+RUNS = {
+    "baseline": ["--criterion", "label_smoothed_cross_entropy"],
+    "doubled batch": ["--criterion", "label_smoothed_cross_entropy", "DOUBLE_TOKENS"],
+    "R-Drop": ["--criterion", "label_smoothed_cross_entropy_rdrop", "--rdrop-alpha", "5"],
+}
+SIZES = {  # train pairs, valid/test pairs (None: all), BPE merges, model, max tokens, epochs
+    "full": dict(pairs=8000, eval_pairs=None, merges=4000, layers=2, dim=192, ffn=768,
+                 tokens=2048, epochs=40),
+    "quick": dict(pairs=2000, eval_pairs=300, merges=1000, layers=1, dim=128, ffn=512,
+                  tokens=2048, epochs=6),
+}
+
+
+def prepare(out, size):
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    data = REPO / "data" / "libreoffice-help-de-en"
+    for split in ("train", "valid", "test"):
+        pairs = read_pairs(data / f"{split}.tsv.xz")
+        if split == "train":
+            pairs = random.Random(0).sample(pairs, min(size["pairs"], len(pairs)))
+        elif size["eval_pairs"]:
+            pairs = pairs[:size["eval_pairs"]]
+        for side, lang in ((0, "de"), (1, "en")):
+            (raw / f"{split}.{lang}").write_text("".join(p[side] + "\n" for p in pairs),
+                                                 encoding="utf-8")
+    subprocess.run([sys.executable, str(SCRIPTS / "prepare_translation.py"), "--raw", str(raw),
+                    "--out", str(out), "--bpe-merges", str(size["merges"])],
+                   check=True, stdout=subprocess.DEVNULL)
+    return out / "bin"
+
+
+def train_command(data, save_dir, run, seed, size):
+    criterion = [a for a in RUNS[run] if a != "DOUBLE_TOKENS"]
+    tokens = size["tokens"] * (2 if "DOUBLE_TOKENS" in RUNS[run] else 1)
+    d, f, layers = str(size["dim"]), str(size["ffn"]), str(size["layers"])
+    return [
+        str(BIN / "fairseq-train"), str(data), "--user-dir", str(REPO / "rdrop_fairseq"),
+        "--arch", "transformer_iwslt_de_en", "--share-all-embeddings",
+        "--encoder-layers", layers, "--decoder-layers", layers,
+        "--encoder-embed-dim", d, "--decoder-embed-dim", d,
+        "--encoder-ffn-embed-dim", f, "--decoder-ffn-embed-dim", f,
+        "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+        "--dropout", "0.3", "--weight-decay", "0.0001", "--label-smoothing", "0.1",
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "2e-3",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "400",
+        "--max-tokens", str(tokens), "--max-epoch", str(size["epochs"]), "--seed", str(seed),
+        "--cpu", "--num-workers", "0", *criterion,
+        "--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_a": 1.2, "max_len_b": 10}',
+        "--eval-bleu-detok", "space", "--eval-bleu-remove-bpe",
+        "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
+        "--no-epoch-checkpoints", "--save-dir", str(save_dir),
+        "--log-format", "simple", "--log-interval", "1000", "--no-progress-bar",
+    ]
+
+
+def run_all(jobs, parallel):
+    """Run (name, command, log) jobs, ``parallel`` at a time, printing validation lines."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    pending, running = list(jobs), []
+    while pending or running:
+        while pending and len(running) < parallel:
+            name, cmd, log = pending.pop(0)
+            handle = open(log, "w")
+            running.append((name, subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT,
+                                                   env=env), log, handle, 0))
+        time.sleep(2)
+        still = []
+        for name, proc, log, handle, seen in running:
+            lines = Path(log).read_text(errors="replace").splitlines()
+            for line in lines[seen:]:
+                m = re.search(r"valid \| epoch (\d+) .*\| bleu ([\d.]+)", line)
+                if m:
+                    print(f"  [{name}] epoch {int(m[1])}: valid BLEU {m[2]}", flush=True)
+            if proc.poll() is None:
+                still.append((name, proc, log, handle, len(lines)))
+            else:
+                handle.close()
+                if proc.returncode:
+                    sys.exit(f"error: {name} failed, see {log}")
+        running = still
+
+
+def valid_curve(log):
+    return [float(b) for b in re.findall(r"valid on 'valid' subset .*?\| bleu ([\d.]+)",
+                                         Path(log).read_text())]
+
+
+def test_bleu(data, checkpoint, out):
+    cmd = [str(BIN / "fairseq-generate"), str(data), "--user-dir", str(REPO / "rdrop_fairseq"),
+           "--path", str(checkpoint), "--beam", "5", "--remove-bpe", "--cpu",
+           "--batch-size", "64", "--required-batch-size-multiple", "1"]
+    with open(out, "w") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL, check=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="2"))
+    hyps, refs = read_generate_output(out)
+    return tokenized_bleu(hyps, refs).score
+
+
+def plot(curves, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run, per_seed in curves.items():
+        epochs = min(len(c) for c in per_seed)
+        mean = [statistics.mean(c[e] for c in per_seed) for e in range(epochs)]
+        ax.plot(range(1, epochs + 1), mean, marker=".", label=f"{run} ({len(per_seed)} seeds)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("validation BLEU (greedy)")
+    ax.set_title("LibreOffice help de-en: validation BLEU")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("work/libreoffice-demo"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1])
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    p.add_argument("--quick", action="store_true", help="small subset and model, 6 epochs")
+    p.add_argument("--epochs", type=int, help="override the number of epochs")
+    p.add_argument("--train-pairs", type=int, help="override the training subset size")
+    p.add_argument("--parallel", type=int, default=os.cpu_count() or 1,
+                   help="runs at a time (one thread each)")
+    a = p.parse_args(argv)
+    size = dict(SIZES["quick" if a.quick else "full"])
+    if a.epochs:
+        size["epochs"] = a.epochs
+    if a.train_pairs:
+        size["pairs"] = a.train_pairs
+    a.out.mkdir(parents=True, exist_ok=True)
+    print(f"[demo] preparing {size['pairs']} training pairs of the LibreOffice help corpus",
+          flush=True)
+    data = prepare(a.out / "data", size)
+    jobs = []
+    for seed in a.seeds:
+        for run in a.runs:
+            save = a.out / f"{re.sub(r'[^a-z]+', '_', run.lower())}_seed{seed}"
+            jobs.append((f"{run} s{seed}", train_command(data, save, run, seed, size),
+                         save.with_suffix(".log")))
+    print(f"[demo] training {len(jobs)} runs, {a.parallel} at a time, "
+          f"{size['epochs']} epochs each", flush=True)
+    run_all(jobs, a.parallel)
+
+    results = {}
+    for (name, _, log) in jobs:
+        run, seed = name.rsplit(" s", 1)
+        checkpoint = log.with_suffix("") / "checkpoint_best.pt"
+        bleu = test_bleu(data, checkpoint, log.with_suffix(".test.txt"))
+        entry = results.setdefault(run, {"seeds": [], "test_bleu": [], "valid_curves": []})
+        entry["seeds"].append(int(seed))
+        entry["test_bleu"].append(round(bleu, 2))
+        entry["valid_curves"].append(valid_curve(log))
+    (a.out / "results.json").write_text(json.dumps({"size": size, "runs": results}, indent=1))
+    plot({run: r["valid_curves"] for run, r in results.items()}, a.out / "valid_bleu.png")
+
+    print("\n| run | test BLEU (beam 5), mean ± std over seeds | per seed |")
+    print("|---|---|---|")
+    for run, r in results.items():
+        scores = r["test_bleu"]
+        spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
+        print(f"| {run} | {statistics.mean(scores):.2f} ± {spread:.2f} | "
+              f"{', '.join(f'{s:.2f}' for s in scores)} |")
+    print(f"\nplot: {a.out / 'valid_bleu.png'}; results: {a.out / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
