@@ -17,7 +17,6 @@
 import argparse
 import json
 import os
-import random
 import re
 import statistics
 import subprocess
@@ -29,7 +28,7 @@ SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(SCRIPTS))
-from prepare_libreoffice_corpus import read_pairs  # noqa: E402
+from prepare_translation import export_libreoffice  # noqa: E402
 from score_bleu import read_generate_output, tokenized_bleu  # noqa: E402
 
 RUNS = {
@@ -47,17 +46,7 @@ SIZES = {  # train pairs, valid/test pairs (None: all), BPE merges, model, max t
 
 def prepare(out, size):
     raw = out / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    data = REPO / "data" / "libreoffice-help-de-en"
-    for split in ("train", "valid", "test"):
-        pairs = read_pairs(data / f"{split}.tsv.xz")
-        if split == "train":
-            pairs = random.Random(0).sample(pairs, min(size["pairs"], len(pairs)))
-        elif size["eval_pairs"]:
-            pairs = pairs[:size["eval_pairs"]]
-        for side, lang in ((0, "de"), (1, "en")):
-            (raw / f"{split}.{lang}").write_text("".join(p[side] + "\n" for p in pairs),
-                                                 encoding="utf-8")
+    export_libreoffice(raw, train_pairs=size["pairs"], eval_pairs=size["eval_pairs"])
     subprocess.run([sys.executable, str(SCRIPTS / "prepare_translation.py"), "--raw", str(raw),
                     "--out", str(out), "--bpe-merges", str(size["merges"])],
                    check=True, stdout=subprocess.DEVNULL)

@@ -19,6 +19,7 @@ Writes ``OUT/tok``, ``OUT/bpe`` (text), ``OUT/bpe.codes`` and ``OUT/bin`` (the d
 """
 
 import argparse
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -31,14 +32,22 @@ REPO = Path(__file__).resolve().parents[1]
 SPLITS = ("train", "valid", "test")
 
 
-def export_libreoffice(raw):
-    """Write the committed LibreOffice help corpus as RAW/{split}.{de,en}."""
+def export_libreoffice(raw, train_pairs=None, eval_pairs=None, seed=0):
+    """Write the committed LibreOffice help corpus as RAW/{split}.{de,en}.
+
+    ``train_pairs``: a random subset (fixed by ``seed``) of that many training pairs;
+    ``eval_pairs``: the first that many validation and test pairs.
+    """
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from prepare_libreoffice_corpus import read_pairs
 
     raw.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
         pairs = read_pairs(REPO / "data" / "libreoffice-help-de-en" / f"{split}.tsv.xz")
+        if split == "train" and train_pairs:
+            pairs = random.Random(seed).sample(pairs, min(train_pairs, len(pairs)))
+        elif split != "train" and eval_pairs:
+            pairs = pairs[:eval_pairs]
         for side, lang in ((0, "de"), (1, "en")):
             (raw / f"{split}.{lang}").write_text("".join(p[side] + "\n" for p in pairs),
                                                  encoding="utf-8")
