@@ -135,3 +135,28 @@ def test_prepare_iwslt_follows_fairseqs_iwslt14_recipe(tmp_path):
     assert valid == ["house nummer 20 .", "house nummer 43 ."]  # lines 23 and 46 (awk NR%23)
     assert len(train_tok) == 46 and not set(valid) & set(train_tok)
     assert (out / "bin" / "test.de-en.de.bin").is_file()
+
+
+def test_average_checkpoints_is_the_mean_of_the_float_parameters(tmp_path):
+    import argparse
+
+    import torch
+
+    from average_checkpoints import average, last_checkpoints
+
+    for i, scale in enumerate((1.0, 2.0, 6.0), start=1):
+        torch.save({"model": {"w": torch.full((2, 2), scale), "h": torch.tensor([scale]).half(),
+                              "steps": torch.tensor([i])},
+                    "cfg": {"model": argparse.Namespace(arch="x")},
+                    "last_optimizer_state": {"m": 1}, "extra_state": {"epoch": i}},
+                   tmp_path / f"checkpoint{i}.pt")
+    (tmp_path / "checkpoint_last.pt").write_bytes(b"")  # not numbered: ignored
+    paths = last_checkpoints(tmp_path, 2, r"checkpoint(\d+)\.pt")
+    assert [p.name for p in paths] == ["checkpoint2.pt", "checkpoint3.pt"]
+    state = average(paths)
+    assert torch.equal(state["model"]["w"], torch.full((2, 2), 4.0))
+    assert state["model"]["h"].dtype == torch.float16 and state["model"]["h"].item() == 4.0
+    assert state["model"]["steps"].item() == 2  # non-float: the first checkpoint's
+    assert "last_optimizer_state" not in state and state["extra_state"] == {"epoch": 2}
+    with pytest.raises(SystemExit, match="4 requested"):
+        last_checkpoints(tmp_path, 4, r"checkpoint(\d+)\.pt")
