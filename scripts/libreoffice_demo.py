@@ -150,6 +150,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="small subset and model, 6 epochs")
     p.add_argument("--epochs", type=int, help="override the number of epochs")
     p.add_argument("--train-pairs", type=int, help="override the training subset size")
+    p.add_argument("--eval-pairs", type=int, help="use only the first N valid/test pairs")
     p.add_argument("--parallel", type=int, default=os.cpu_count() or 1,
                    help="runs at a time (one thread each)")
     a = p.parse_args(argv)
@@ -158,6 +159,8 @@ def main(argv=None):
         size["epochs"] = a.epochs
     if a.train_pairs:
         size["pairs"] = a.train_pairs
+    if a.eval_pairs:
+        size["eval_pairs"] = a.eval_pairs
     a.out.mkdir(parents=True, exist_ok=True)
     print(f"[demo] preparing {size['pairs']} training pairs of the LibreOffice help corpus",
           flush=True)

@@ -135,7 +135,8 @@ def test_libreoffice_demo_trains_scores_and_plots(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, REPO / "scripts" / "libreoffice_demo.py", "--quick", "--epochs", "1",
-         "--train-pairs", "200", "--seeds", "1", "2", "--runs", "baseline", "R-Drop",
+         "--train-pairs", "200", "--eval-pairs", "20", "--seeds", "1", "2",
+         "--runs", "baseline", "R-Drop",
          "--out", out],
         capture_output=True, text=True, timeout=900,
         env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)},
