@@ -50,6 +50,25 @@ def score(metric, hyps, refs, tgt):
     return f"sacreBLEU = {result.score:.2f}  {bleu.get_signature()}", result.score
 
 
+def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test", beam=5,
+                       lenpen=1.0, metric="tokenized", batch_size=128, cpu=False, quiet=False):
+    """fairseq-generate into ``out``, then ``(score line, BLEU, sentence count)``."""
+    cmd = [str(Path(sys.executable).parent / "fairseq-generate"), str(data),
+           "--user-dir", str(REPO / "rdrop_fairseq"), "--path", str(checkpoint),
+           "--source-lang", src, "--target-lang", tgt, "--gen-subset", subset,
+           "--beam", str(beam), "--lenpen", str(lenpen), "--remove-bpe",
+           "--batch-size", str(batch_size), "--required-batch-size-multiple", "1"]
+    if cpu:
+        cmd.append("--cpu")
+    if not quiet:
+        print(f"[evaluate] beam {beam}, lenpen {lenpen}, {metric}: {' '.join(cmd)}", flush=True)
+    with open(out, "w", encoding="utf-8") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL if quiet else None, check=True)
+    hyps, refs = read_generate_output(out)
+    line, bleu = score(metric, hyps, refs, tgt)
+    return line, bleu, len(hyps)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe", choices=sorted(DECODING))
@@ -73,19 +92,9 @@ def main(argv=None):
     lenpen = a.lenpen if a.lenpen is not None else DECODING[a.recipe]["lenpen"]
     metric = a.metric or metric_for(a.recipe, a.src, a.tgt)
     out = Path(a.out) if a.out else checkpoint.with_name(f"generate-{a.subset}.txt")
-    cmd = [str(Path(sys.executable).parent / "fairseq-generate"), a.data,
-           "--user-dir", str(REPO / "rdrop_fairseq"), "--path", str(checkpoint),
-           "--source-lang", a.src, "--target-lang", a.tgt, "--gen-subset", a.subset,
-           "--beam", str(beam), "--lenpen", str(lenpen), "--remove-bpe",
-           "--batch-size", str(a.batch_size), "--required-batch-size-multiple", "1"]
-    if a.cpu:
-        cmd.append("--cpu")
-    print(f"[evaluate] beam {beam}, lenpen {lenpen}, {metric}: {' '.join(cmd)}", flush=True)
-    with open(out, "w", encoding="utf-8") as f:
-        subprocess.run(cmd, stdout=f, check=True)
-    hyps, refs = read_generate_output(out)
-    line, _ = score(metric, hyps, refs, a.tgt)
-    print(f"{a.subset}: {len(hyps)} sentences, {line}\n(output: {out})")
+    line, _, count = generate_and_score(a.data, checkpoint, out, a.src, a.tgt, a.subset, beam,
+                                        lenpen, metric, a.batch_size, a.cpu)
+    print(f"{a.subset}: {count} sentences, {line}\n(output: {out})")
 
 
 if __name__ == "__main__":

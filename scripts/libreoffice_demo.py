@@ -29,7 +29,7 @@ REPO = SCRIPTS.parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(SCRIPTS))
 from prepare_translation import export_libreoffice  # noqa: E402
-from score_bleu import read_generate_output, tokenized_bleu  # noqa: E402
+from evaluate_translation import generate_and_score  # noqa: E402
 
 RUNS = {
     "baseline": ["--criterion", "label_smoothed_cross_entropy"],
@@ -109,17 +109,6 @@ def valid_curve(log):
                                          Path(log).read_text())]
 
 
-def test_bleu(data, checkpoint, out):
-    cmd = [str(BIN / "fairseq-generate"), str(data), "--user-dir", str(REPO / "rdrop_fairseq"),
-           "--path", str(checkpoint), "--beam", "5", "--remove-bpe", "--cpu",
-           "--batch-size", "64", "--required-batch-size-multiple", "1"]
-    with open(out, "w") as f:
-        subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL, check=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="2"))
-    hyps, refs = read_generate_output(out)
-    return tokenized_bleu(hyps, refs).score
-
-
 def plot(curves, path):
     import matplotlib
 
@@ -179,7 +168,8 @@ def main(argv=None):
     for (name, _, log) in jobs:
         run, seed = name.rsplit(" s", 1)
         checkpoint = log.with_suffix("") / "checkpoint_best.pt"
-        bleu = test_bleu(data, checkpoint, log.with_suffix(".test.txt"))
+        _, bleu, _ = generate_and_score(data, checkpoint, log.with_suffix(".test.txt"),
+                                        batch_size=64, cpu=True, quiet=True)
         entry = results.setdefault(run, {"seeds": [], "test_bleu": [], "valid_curves": []})
         entry["seeds"].append(int(seed))
         entry["test_bleu"].append(round(bleu, 2))

@@ -6,8 +6,9 @@ how the passes spread probability inside the tail clusters (most of the vocabula
 compute that distribution (what ``AdaptiveSoftmax.get_log_prob`` returns, but differentiable:
 fairseq's version writes into a log-softmax output in place) for every non-padding position
 of both passes, a few hundred thousand elements at a time, and take from it both the task
-loss ``-log p(target)`` (the same value fairseq's cluster-wise ``adaptive_loss`` computes) and
-the symmetric KL, so that they see the same sub-models. Each chunk is recomputed in the
+loss ``-log p(target)`` and the symmetric KL, so that they see the same sub-models. That loss
+is fairseq's cluster-wise ``adaptive_loss`` except for one fairseq quirk we do not copy: it
+drops the tail term of the word with id ``cutoff[i] + padding_idx`` (docs/design.md). Each chunk is recomputed in the
 backward pass (activation checkpointing, same dropout masks) instead of being kept.
 """
 
