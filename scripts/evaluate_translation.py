@@ -4,6 +4,9 @@
 Per recipe: beam 5 / lenpen 1.0 for IWSLT, beam 4 / lenpen 0.6 for WMT14; tokenized BLEU
 (multi-bleu.perl equivalent) for En<->De and WMT14, with compound splitting for WMT14
 En->De; sacreBLEU (detokenised with sacremoses, signature printed) for the other pairs.
+Data prepared with sentencepiece (``spm*.model`` in the data-bin, e.g. En<->Zh) is decoded
+with ``--remove-bpe sentencepiece``, which gives detokenised text, scored with sacreBLEU
+(its ``zh`` tokenisation for Chinese references).
 
     python scripts/evaluate_translation.py iwslt --data work/iwslt14.de-en/bin --src de --tgt en \\
         --checkpoint checkpoints/iwslt14-rdrop/checkpoint_best.pt
@@ -31,20 +34,31 @@ REPO = Path(__file__).resolve().parents[1]
 DECODING = {"iwslt": {"beam": 5, "lenpen": 1.0}, "wmt14": {"beam": 4, "lenpen": 0.6}}
 
 
-def metric_for(recipe, src, tgt):
+def metric_for(recipe, src, tgt, data=None):
     """The paper's BLEU for a recipe and language pair."""
+    if data is not None and uses_sentencepiece(data):
+        return "sacrebleu"  # no Moses tokens to score
     if recipe == "wmt14":
         return "tokenized+compound" if tgt == "de" else "tokenized"
     return "tokenized" if {src, tgt} == {"de", "en"} else "sacrebleu"
 
 
-def score(metric, hyps, refs, tgt):
+def uses_sentencepiece(data):
+    """Whether prepare_translation.py built ``data`` with sentencepiece."""
+    return any(Path(data).glob("spm*.model"))
+
+
+def score(metric, hyps, refs, tgt, moses_tokens=True):
     if metric.startswith("tokenized"):
+        if not moses_tokens:
+            sys.exit("error: tokenized BLEU needs Moses-tokenised data; this data-bin was "
+                     "built with sentencepiece: use --metric sacrebleu")
         result = tokenized_bleu(hyps, refs, compound=metric.endswith("compound"))
         return f"tokenized BLEU ({metric}) = {result.score:.2f}", result.score
-    detok = MosesDetokenizer(lang=tgt)
-    hyps = [detok.detokenize(h.split()) for h in hyps]
-    refs = [detok.detokenize(r.split()) for r in refs]
+    if moses_tokens:
+        detok = MosesDetokenizer(lang=tgt)
+        hyps = [detok.detokenize(h.split()) for h in hyps]
+        refs = [detok.detokenize(r.split()) for r in refs]
     bleu = sacrebleu.metrics.BLEU(trg_lang=tgt)
     result = bleu.corpus_score(hyps, [refs])
     return f"sacreBLEU = {result.score:.2f}  {bleu.get_signature()}", result.score
@@ -56,7 +70,8 @@ def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test",
     cmd = [str(Path(sys.executable).parent / "fairseq-generate"), str(data),
            "--user-dir", str(REPO / "rdrop_fairseq"), "--path", str(checkpoint),
            "--source-lang", src, "--target-lang", tgt, "--gen-subset", subset,
-           "--beam", str(beam), "--lenpen", str(lenpen), "--remove-bpe",
+           "--beam", str(beam), "--lenpen", str(lenpen),
+           "--remove-bpe=" + ("sentencepiece" if uses_sentencepiece(data) else "@@ "),
            "--batch-size", str(batch_size), "--required-batch-size-multiple", "1"]
     if cpu:
         cmd.append("--cpu")
@@ -65,7 +80,7 @@ def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test",
     with open(out, "w", encoding="utf-8") as f:
         subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL if quiet else None, check=True)
     hyps, refs = read_generate_output(out)
-    line, bleu = score(metric, hyps, refs, tgt)
+    line, bleu = score(metric, hyps, refs, tgt, moses_tokens=not uses_sentencepiece(data))
     return line, bleu, len(hyps)
 
 
@@ -90,7 +105,7 @@ def main(argv=None):
         p.error(f"no checkpoint {checkpoint}")
     beam = a.beam or DECODING[a.recipe]["beam"]
     lenpen = a.lenpen if a.lenpen is not None else DECODING[a.recipe]["lenpen"]
-    metric = a.metric or metric_for(a.recipe, a.src, a.tgt)
+    metric = a.metric or metric_for(a.recipe, a.src, a.tgt, a.data)
     out = Path(a.out) if a.out else checkpoint.with_name(f"generate-{a.subset}.txt")
     line, _, count = generate_and_score(a.data, checkpoint, out, a.src, a.tgt, a.subset, beam,
                                         lenpen, metric, a.batch_size, a.cpu)

@@ -13,6 +13,10 @@ held out as validation, joint BPE (10k merges) and fairseq-preprocess.
 
 IWSLT14 de-en: fairseq's mirror of the archive is the IWSLT14_DE_EN_URL below. For the other
 pairs, pass the archive of the same format (``train.tags.PAIR.*`` and ``IWSLT*.TED*.xml``).
+IWSLT17 En<->Zh (``en-zh.tgz``) is prepared as the paper's separate dictionaries: one
+sentencepiece BPE model per language on the raw text (which segments the Chinese), no
+lower-casing, training pairs of 1-175 pieces without a length-ratio filter (Chinese and
+English piece counts are not comparable), ``--vocab-size`` pieces per language.
 """
 
 import argparse
@@ -95,15 +99,20 @@ def main():
     p.add_argument("--tgt", required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--bpe-merges", type=int, default=10000)
+    p.add_argument("--vocab-size", type=int, default=10000, help="per language, for zh pairs")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     archive = fetch(a.archive, a.out)
     extract(archive, a.src, a.tgt, a.out / "raw")
+    if "zh" in (a.src, a.tgt):
+        subword = ["--subword", "sentencepiece", "--separate-dictionaries",
+                   "--vocab-size", str(a.vocab_size), "--max-ratio", "0"]
+    else:
+        subword = ["--lowercase", "--bpe-merges", str(a.bpe_merges), "--max-ratio", "1.5"]
     subprocess.run([sys.executable, str(Path(__file__).with_name("prepare_translation.py")),
                     "--raw", str(a.out / "raw"), "--src", a.src, "--tgt", a.tgt,
-                    "--out", str(a.out), "--lowercase", "--bpe-merges", str(a.bpe_merges),
-                    "--max-len", "175", "--max-ratio", "1.5", "--valid-from-train", "23"],
-                   check=True)
+                    "--out", str(a.out), "--max-len", "175", "--valid-from-train", "23",
+                    *subword], check=True)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,24 @@ def parse_args(argv):
     return a
 
 
+def data_overrides(data, src, tgt):
+    """Overrides the data-bin calls for: separate dictionaries cannot share all embeddings,
+    and sentencepiece data is decoded with sentencepiece for the validation BLEU. sacreBLEU's
+    default tokenisation cannot score Chinese, so a Chinese target selects the best checkpoint
+    by validation loss."""
+    data, out = Path(data), []  # ++: the wmt14 config has no eval_bleu keys to override
+    dicts = sorted(data.glob("dict.*.txt"))
+    if len(dicts) == 2 and dicts[0].read_bytes() != dicts[1].read_bytes():
+        out += ["++model.share_all_embeddings=false",
+                "++model.share_decoder_input_output_embed=true"]
+    if any(data.glob("spm*.model")):
+        out += ["++task.eval_bleu_remove_bpe=sentencepiece", "++task.eval_bleu_detok=space"]
+    if tgt == "zh":
+        out += ["++task.eval_bleu=false", "++checkpoint.best_checkpoint_metric=loss",
+                "++checkpoint.maximize_best_checkpoint_metric=false"]
+    return out
+
+
 def hydra_command(a):
     user_dir = REPO / "rdrop_fairseq"
     cmd = [str(Path(sys.executable).parent / "fairseq-hydra-train"),
@@ -98,7 +116,7 @@ def hydra_command(a):
         cmd.append(f"optimization.update_freq=[{a.update_freq}]")
     if a.cpu:
         cmd.append("common.cpu=true")
-    return cmd + a.overrides
+    return cmd + data_overrides(a.data, a.src, a.tgt) + a.overrides
 
 
 def main(argv=None):

@@ -67,6 +67,12 @@ def test_paper_metrics_per_recipe_and_pair():
     assert metric_for("wmt14", "en", "fr") == "tokenized"
 
 
+def test_sentencepiece_data_is_scored_with_sacrebleu(tmp_path):
+    assert metric_for("iwslt", "de", "en", tmp_path) == "tokenized"
+    (tmp_path / "spm.en.model").write_bytes(b"")
+    assert metric_for("iwslt", "de", "en", tmp_path) == "sacrebleu"
+
+
 def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
     write_corpus(tmp_path / "raw", {"train": 300, "valid": 20, "test": 20}, vocab=30,
                  max_len=8)
@@ -160,3 +166,177 @@ def test_average_checkpoints_is_the_mean_of_the_float_parameters(tmp_path):
     assert "last_optimizer_state" not in state and state["extra_state"] == {"epoch": 2}
     with pytest.raises(SystemExit, match="4 requested"):
         last_checkpoints(tmp_path, 4, r"checkpoint(\d+)\.pt")
+
+
+def _tgz(path, files):
+    """A .tgz holding ``{name: lines}``."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, lines in files.items():
+            data = "".join(line + "\n" for line in lines).encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def _sgm(lines):
+    return ["<srcset>", '<doc docid="x">'] + [f'<seg id="{i}">{line}</seg>'
+                                                for i, line in enumerate(lines, 1)] + ["</doc>"]
+
+
+def test_prepare_wmt14_follows_fairseqs_wmt14_recipe_end_to_end(tmp_path):
+    """Official archive layout -> normalised, -a tokenised, every 100th line as valid, cleaned
+    after BPE; then train a few updates, generate and score with compound splitting."""
+    words = ["house", "garden", "well-known", "car", "tree", "green", "small", "road"]
+    wort = {"house": "Haus", "garden": "Garten", "well-known": "alt-bekannt", "car": "Auto",
+            "tree": "Baum", "green": "grün", "small": "klein", "road": "Straße"}
+    en, de = [], []
+    for i in range(240):
+        sent = [words[(i * 3 + k) % len(words)] for k in range(3 + i % 4)]
+        en.append(" ".join(sent) + " .")
+        de.append(" ".join(wort[w] for w in sent) + " .")
+    en[4], de[4] = "the \u201chouse\u201d\u200bgarden .", "das \u201eHaus\u201c\u200bGarten ."
+    en[6], de[6] = " ".join(["tree"] * 300), " ".join(["Baum"] * 300)  # > 250: cleaned out
+    en[8], de[8] = "car", " ".join(["Auto"] * 12)  # ratio > 1.5: cleaned out
+    en[199], de[199] = " ".join(["road"] * 260), " ".join(["Straße"] * 260)  # valid line 200
+    orig = tmp_path / "orig"
+    orig.mkdir()
+    split = {"europarl": (0, 100), "commoncrawl": (100, 160), "nc": (160, 240)}
+    names = {"europarl": ("training-parallel-europarl-v7.tgz", "training/europarl-v7.de-en"),
+             "commoncrawl": ("training-parallel-commoncrawl.tgz", "commoncrawl.de-en"),
+             "nc": ("training-parallel-nc-v12.tgz", "training/news-commentary-v12.de-en")}
+    for key, (archive, corpus) in names.items():
+        lo, hi = split[key]
+        _tgz(orig / archive, {f"{corpus}.en": en[lo:hi], f"{corpus}.de": de[lo:hi]})
+    test_en = ["the house\u2019s well-known garden", "car"]  # ratio > 1.5, but test stays whole
+    test_de = ["des Hauses alt-bekannter Garten", " ".join(["Auto"] * 12)]
+    _tgz(orig / "test-full.tgz", {"test-full/newstest2014-deen-src.en.sgm": _sgm(test_en),
+                                  "test-full/newstest2014-deen-ref.de.sgm": _sgm(test_de)})
+
+    out = tmp_path / "wmt"
+    log = run([sys.executable, REPO / "scripts" / "prepare_wmt14.py", "--pair", "en-de",
+               "--orig", orig, "--out", out, "--bpe-merges", "30", "--workers", "1"])
+    tok_en = (out / "tok" / "train.en").read_text().splitlines()
+    tok_de = (out / "tok" / "train.de").read_text().splitlines()
+    assert tok_de[4] == 'das " Haus " Garten .'  # „“ normalised, zero-width space removed
+    assert tok_en[4] == 'the " house " garden .'
+    assert tok_en[0] == "house garden well @-@ known ."  # aggressive hyphen splitting
+    valid_en = (out / "tok" / "valid.en").read_text().splitlines()
+    assert valid_en == [_tok_en(en[99]), _tok_en(en[199])]  # lines 100 and 200, uncleaned
+    assert len(tok_en) == 238
+    bpe_valid = (out / "bpe" / "valid.en").read_text().splitlines()
+    assert len(bpe_valid) == 1  # the 260-token line is cleaned out of valid after BPE
+    bpe_train = (out / "bpe" / "train.en").read_text().splitlines()
+    assert len(bpe_train) == 236  # the 300-token and the ratio-4 pairs are gone
+    assert re.search(r"2 of 238 pairs|236 of 238 pairs", log)
+    test = (out / "tok" / "test.en").read_text().splitlines()
+    assert test[0] == "the house 's well @-@ known garden" and len(test) == 2  # test kept whole
+    assert (out / "bin" / "test.en-de.de.bin").is_file()
+
+    save = tmp_path / "ckpt"
+    run([sys.executable, REPO / "scripts" / "train_translation.py", "wmt14", "--data",
+         out / "bin", "--save-dir", save, "--max-update", "4", "--cpu", "--", *TINY_MODEL,
+         "dataset.required_batch_size_multiple=1"])  # valid holds one pair
+    result = run([sys.executable, REPO / "scripts" / "evaluate_translation.py", "wmt14",
+                  "--data", out / "bin", "--src", "en", "--tgt", "de", "--cpu",
+                  "--checkpoint", save / "checkpoint_last.pt", "--out", tmp_path / "gen.txt"])
+    m = re.search(r"test: 2 sentences, tokenized BLEU \(tokenized\+compound\) = ([\d.]+)", result)
+    assert m and 0 <= float(m[1]) <= 100, result
+    assert "[evaluate] beam 4, lenpen 0.6" in result
+
+
+def _tok_en(line):
+    from sacremoses import MosesTokenizer
+
+    return MosesTokenizer("en").tokenize(line, aggressive_dash_splits=True, escape=False,
+                                         return_str=True)
+
+
+def test_prepare_wmt14_says_which_archive_is_missing(tmp_path):
+    proc = subprocess.run([sys.executable, REPO / "scripts" / "prepare_wmt14.py", "--orig",
+                           tmp_path, "--out", tmp_path / "out"], capture_output=True, text=True,
+                          env={"PATH": str(Path(sys.executable).parent), "no_proxy": "*",
+                               "http_proxy": "http://127.0.0.1:9"}, timeout=120)
+    assert proc.returncode != 0
+    assert "training-parallel-europarl-v7.tgz is not in" in proc.stderr, proc.stderr
+
+
+ZH = {"house": "房子", "garden": "花园", "car": "汽车", "tree": "大树", "green": "绿色的",
+      "small": "小小的", "road": "道路", "friend": "朋友", "likes": "喜欢", "the": "这个"}
+
+
+def test_iwslt_en_zh_separate_sentencepiece_dictionaries_end_to_end(tmp_path):
+    """En->Zh: Chinese segmented by sentencepiece, one dictionary per language, the model
+    without shared embeddings, sacreBLEU with its zh tokenisation."""
+    import tarfile
+
+    words = list(ZH)
+    lines = {"en": [], "zh": []}
+    for i in range(150):
+        sent = [words[(i * 7 + k) % len(words)] for k in range(2 + i % 5)]
+        lines["en"].append(" ".join(sent) + ".")
+        lines["zh"].append("".join(ZH[w] for w in sent) + "。")
+    orig = tmp_path / "src" / "en-zh"
+    orig.mkdir(parents=True)
+    for lang in ("en", "zh"):
+        (orig / f"train.tags.en-zh.{lang}").write_text(
+            "<url>x</url>\n" + "\n".join(lines[lang][:138]) + "\n", encoding="utf-8")
+        segs = "".join(f'<seg id="{i}"> {s} </seg>\n' for i, s in enumerate(lines[lang][138:]))
+        (orig / f"IWSLT17.TED.tst2015.en-zh.{lang}.xml").write_text(f"<doc>\n{segs}</doc>\n",
+                                                                    encoding="utf-8")
+    archive = tmp_path / "en-zh.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(orig, arcname="en-zh")
+
+    out = tmp_path / "iwslt"
+    run([sys.executable, REPO / "scripts" / "prepare_iwslt.py", "--archive", archive,
+         "--src", "en", "--tgt", "zh", "--out", out, "--vocab-size", "60"])
+    bin_dir = out / "bin"
+    assert (bin_dir / "spm.en.model").is_file() and (bin_dir / "spm.zh.model").is_file()
+    dict_en = (bin_dir / "dict.en.txt").read_text(encoding="utf-8")
+    dict_zh = (bin_dir / "dict.zh.txt").read_text(encoding="utf-8")
+    assert dict_en != dict_zh and not re.search(r"[\u4e00-\u9fff]", dict_en)
+    zh_pieces = (out / "bpe" / "train.zh").read_text(encoding="utf-8").splitlines()
+    assert all(len(line.split()) > 1 for line in zh_pieces[:20])  # segmented, not one token
+    assert "".join(zh_pieces[0].split()).replace("\u2581", "") == lines["zh"][0]
+
+    save = tmp_path / "ckpt"
+    log = run([sys.executable, REPO / "scripts" / "train_translation.py", "iwslt", "--data",
+               bin_dir, "--src", "en", "--tgt", "zh", "--save-dir", save, "--max-update", "4",
+               "--cpu", "--", *TINY_MODEL, "dataset.required_batch_size_multiple=1"])
+    assert "++model.share_all_embeddings=false" in log and "++task.eval_bleu=false" in log
+    result = run([sys.executable, REPO / "scripts" / "evaluate_translation.py", "iwslt",
+                  "--data", bin_dir, "--src", "en", "--tgt", "zh", "--cpu",
+                  "--checkpoint", save / "checkpoint_best.pt", "--out", tmp_path / "gen.txt"])
+    m = re.search(r"test: 12 sentences, sacreBLEU = ([\d.]+) .*tok:zh", result)
+    assert m and 0 <= float(m[1]) <= 100, result
+    gen = (tmp_path / "gen.txt").read_text(encoding="utf-8")
+    refs = re.findall(r"^T-\d+\t(.*)$", gen, re.M)
+    assert sorted(refs) == sorted(lines["zh"][138:])  # references decoded back to raw text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--src", "en", "--tgt", "zh"], "does not segment 'zh'"),
+    (["--separate-dictionaries"], "needs --subword sentencepiece"),
+    (["--subword", "sentencepiece", "--lowercase"], "apply to Moses tokens"),
+])
+def test_prepare_translation_refuses_settings_that_cannot_work(tmp_path, argv, message,
+                                                               capsys):
+    import prepare_translation
+
+    with pytest.raises(SystemExit):
+        prepare_translation.parse_args(["--raw", str(tmp_path), "--out", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_non_printing_characters_become_spaces_and_punctuation_is_normalised():
+    import prepare_translation
+
+    line = "a\u200bb\x07c \u201ed\u201c e\u2026"
+    out = prepare_translation._process(line, "de", normalize=True, aggressive_dash=False,
+                                       lowercase=False)
+    assert out == 'a b c " d " e ...'
+    assert prepare_translation.clean(["a b c d"], ["x"], 250, 0) == (["a b c d"], ["x"])
+    assert prepare_translation.clean(["a b c d"], ["x"], 250, 1.5) == ([], [])
