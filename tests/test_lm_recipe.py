@@ -1,0 +1,326 @@
+"""The WikiText-103 language-model recipes end to end on a tiny corpus in the WikiText layout:
+prepare (zip) -> binarize -> train (gpt, wiki103; R-Drop and baseline) -> evaluate, the
+configs against fairseq's architectures and the paper, and the errors on missing data."""
+
+import json
+import math
+import random
+import re
+import subprocess
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import evaluate_lm  # noqa: E402
+import prepare_wikitext  # noqa: E402
+import train_lm  # noqa: E402
+
+TINY_MODEL = [f"model.decoder_{k}={v}" for k, v in (
+    ("layers", 1), ("embed_dim", 32), ("input_dim", 32), ("output_dim", 32),
+    ("ffn_embed_dim", 64), ("attention_heads", 2))]
+FAST = ["task.tokens_per_sample=32", "common.log_interval=1", "dataset.num_workers=0",
+        "checkpoint.no_epoch_checkpoints=true"]
+TINY_CUTOFF = ["model.adaptive_input_cutoff='10,20'", "model.adaptive_softmax_cutoff='10,20'"]
+UPDATES = 4
+WORDS = ("the a of in and river city old new king war song team north south west east music "
+         "band first second early later game film").split()
+ARTICLES = {"train": 40, "valid": 4, "test": 4}
+
+
+def run(cmd, ok=True, env=None):
+    full_env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1", "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
+                          env=full_env)
+    proc.output = proc.stdout + proc.stderr
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def write_wikitext(root):
+    """``root/wiki.{split}.tokens`` as WikiText-103 writes them: `` = Title = `` headings,
+    blank lines, one paragraph a line, ``@-@`` and ``<unk>`` tokens. Returns the lines."""
+    rng = random.Random(0)
+    root.mkdir(parents=True, exist_ok=True)
+    corpus = {}
+    for split, n in ARTICLES.items():
+        lines = []
+        for i in range(n):
+            lines += [" ", f" = {rng.choice(WORDS).title()} {split} {i} = ", " "]
+            for _ in range(3):
+                words = [rng.choice(WORDS) for _ in range(rng.randint(8, 20))]
+                words[rng.randrange(len(words))] += " @-@ <unk>"
+                lines.append(" " + " ".join(words) + " . ")
+        (root / f"wiki.{split}.tokens").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        corpus[split] = lines
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def wikitext(tmp_path_factory):
+    """A tiny corpus zipped like wikitext-103-v1.zip, prepared by prepare_wikitext.py."""
+    root = tmp_path_factory.mktemp("wikitext")
+    corpus = write_wikitext(root / "corpus" / "wikitext-103")
+    archive = root / "wikitext-103-v1.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for split in ARTICLES:
+            zf.write(root / "corpus" / "wikitext-103" / f"wiki.{split}.tokens",
+                     f"wikitext-103/wiki.{split}.tokens")
+    out = root / "prep"
+    log = run([sys.executable, REPO / "scripts" / "prepare_wikitext.py", "--source", archive,
+               "--out", out]).stdout
+    return {"bin": out / "bin", "out": out, "corpus": corpus, "log": log}
+
+
+def test_prepare_extracts_the_zip_and_binarizes_only_source(wikitext):
+    out, corpus = wikitext["out"], wikitext["corpus"]
+    for split in ARTICLES:  # the zip's files, extracted flat into OUT/raw, unchanged
+        raw = (out / "raw" / f"wiki.{split}.tokens").read_text(encoding="utf-8")
+        assert raw.splitlines() == corpus[split]
+        for ext in ("bin", "idx"):  # --only-source: no language suffix
+            assert (wikitext["bin"] / f"{split}.{ext}").is_file()
+    entries = [line.split()[0] for line in (wikitext["bin"] / "dict.txt").read_text().splitlines()]
+    train_words = {w for line in corpus["train"] for w in line.split()} - {"<unk>"}
+    # one dictionary of the training text, no threshold (fairseq pads it to a multiple of 8
+    # with made-up words)
+    assert {w for w in entries if not w.startswith("madeupword")} == train_words
+    assert f"dictionary of {len(entries)} words" in wikitext["log"]
+
+
+def test_prepare_finds_the_files_in_a_directory(tmp_path):
+    write_wikitext(tmp_path / "unzipped" / "wikitext-103")
+    files = prepare_wikitext.corpus_files(tmp_path / "unzipped", tmp_path / "out")
+    assert files == {s: tmp_path / "unzipped" / "wikitext-103" / f"wiki.{s}.tokens"
+                     for s in ARTICLES}
+
+
+def test_prepare_offline_says_to_pass_a_local_path(tmp_path):
+    """The default source is the download; with no network (here: a proxy that refuses every
+    connection) it fails at once, saying to pass the local zip or directory."""
+    dead = "http://127.0.0.1:9"
+    proc = run([sys.executable, REPO / "scripts" / "prepare_wikitext.py", "--out", tmp_path],
+               ok=False, env={"http_proxy": dead, "https_proxy": dead, "HTTPS_PROXY": dead,
+                              "HTTP_PROXY": dead, "no_proxy": ""})
+    assert proc.returncode != 0
+    assert f"cannot download {prepare_wikitext.WIKITEXT103_URL}" in proc.stderr, proc.output
+    assert "Offline?" in proc.stderr and "--source PATH" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no partial download left behind
+
+
+def test_prepare_missing_data_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist; pass the WikiText directory"):
+        prepare_wikitext.corpus_files(tmp_path / "nowhere", tmp_path / "out")
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "wiki.train.tokens").write_text(" a b\n")
+    with pytest.raises(SystemExit, match="holds no directory with wiki.train.tokens, "
+                                         "wiki.valid.tokens, wiki.test.tokens"):
+        prepare_wikitext.corpus_files(tmp_path / "partial", tmp_path / "out")
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as zf:
+        zf.writestr("wikitext-103/wiki.train.tokens", " a b\n")
+    with pytest.raises(SystemExit, match="holds no wiki.valid.tokens, wiki.test.tokens"):
+        prepare_wikitext.corpus_files(tmp_path / "other.zip", tmp_path / "out")
+
+
+def train(recipe, data, save_dir, *args):
+    extra = TINY_MODEL + FAST + (TINY_CUTOFF if recipe == "wiki103" else [])
+    return run([sys.executable, REPO / "scripts" / "train_lm.py", recipe, "--data", data,
+                "--save-dir", save_dir, "--max-update", UPDATES, "--max-tokens", 256, "--cpu",
+                *args, "--", *extra]).stdout
+
+
+def train_inner(log):
+    lines = [line for line in log.splitlines() if "[train_inner]" in line]
+    assert len(lines) == UPDATES, log[-3000:]
+    return lines
+
+
+@pytest.mark.parametrize("recipe", ["gpt", "wiki103"])
+def test_recipe_trains_with_rdrop_and_evaluates(wikitext, tmp_path, recipe):
+    save = tmp_path / "ckpt"
+    log = train(recipe, wikitext["bin"], save)
+    criterion = {"gpt": "CrossEntropyRDropCriterion", "wiki103": "AdaptiveLossRDrop"}[recipe]
+    assert f"criterion: {criterion}" in log
+    for line in train_inner(log):
+        kl = re.search(r"rdrop_kl=([^,\s]+)", line)
+        assert kl and math.isfinite(float(kl[1])) and float(kl[1]) > 0, line
+    valid = [line for line in log.splitlines() if "valid on 'valid' subset" in line]
+    assert valid and not any("rdrop_kl" in line for line in valid), log[-3000:]
+
+    out = run([sys.executable, REPO / "scripts" / "evaluate_lm.py", "--data", wikitext["bin"],
+               "--checkpoint", save / "checkpoint_best.pt", "--tokens-per-sample", 32,
+               "--context-window", 16, "--cpu", "--json", tmp_path / "ppl.json"]).stdout
+    m = re.search(r"^test: perplexity ([\d.]+), loss ([\d.]+) bits/token", out, re.M)
+    assert m, out[-3000:]
+    ppl, loss = float(m[1]), float(m[2])
+    assert math.isfinite(ppl) and ppl > 1
+    assert ppl == pytest.approx(2 ** loss, rel=1e-3)
+    result = json.loads((tmp_path / "ppl.json").read_text())
+    assert result["perplexity"] == ppl and result["context_window"] == 16
+    # every test token scored once: each word plus one end-of-line per line
+    assert result["tokens"] == sum(len(line.split()) + 1 for line in wikitext["corpus"]["test"])
+
+
+@pytest.mark.parametrize("recipe", ["gpt", "wiki103"])
+def test_baseline_mode_is_the_plain_fairseq_criterion(wikitext, tmp_path, recipe):
+    log = train(recipe, wikitext["bin"], tmp_path / "ckpt", "--mode", "baseline")
+    assert "criterion.rdrop_alpha=0.0" in log
+    for line in train_inner(log):
+        assert "rdrop_kl" not in line and re.search(r"loss=[\d.]+", line), line
+    assert (tmp_path / "ckpt" / "checkpoint_last.pt").is_file()
+
+
+# ----------------------------------------------------------------- configs and options
+
+ARCH = {"gpt": "transformer_lm_gpt", "wiki103": "transformer_lm_wiki103"}
+# keys where the config knowingly differs from `--arch X` (reason), or that are unused
+CONFIG_DEVIATIONS = {"gpt": {"share_decoder_input_output_embed": True},  # authors' script
+                     "wiki103": {}}
+UNUSED = {"base_shuffle", "tokens_per_sample"}  # no BASE layers; tokens: the task's
+
+
+def composed_config(name):
+    """The config fairseq-hydra-train composes from configs/NAME.yaml."""
+    from hydra import compose, initialize_config_dir
+    from fairseq.dataclass.initialize import add_defaults, hydra_init
+
+    hydra_init(name)
+    with warnings.catch_warnings():  # hydra 1.1 behaviour, as fairseq-hydra-train's
+        warnings.simplefilter("ignore")
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.1"):
+            cfg = compose(config_name=name, overrides=[
+                f"common.user_dir={REPO / 'rdrop_fairseq'}", "task.data=/nonexistent"])
+    add_defaults(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("recipe", ["gpt", "wiki103"])
+def test_config_is_the_fairseq_architecture(recipe):
+    """hydra does not apply --arch defaults, so the config spells the architecture out: after
+    what fairseq's build_model does, it must equal `fairseq-train --arch X`'s model."""
+    import argparse
+
+    from fairseq import options
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+    from omegaconf import OmegaConf
+
+    cfg = composed_config(train_lm.RECIPES[recipe])
+    model = argparse.Namespace(**OmegaConf.to_container(cfg.model, resolve=True))
+    assert model._name == ARCH[recipe]
+    ARCH_CONFIG_REGISTRY[model._name](model)
+    parser = options.get_training_parser()
+    ref = vars(options.parse_args_and_arch(parser, [
+        "/nonexistent", "--task", "language_modeling", "--arch", ARCH[recipe]]))
+    differ = {k: (v, ref[k]) for k, v in vars(model).items()
+              if k in ref and k not in UNUSED and v != ref[k]}
+    assert differ == {k: (v, not v) for k, v in CONFIG_DEVIATIONS[recipe].items()}
+
+
+def test_configs_hold_the_papers_settings():
+    gpt = composed_config("transformer_lm_gpt_rdrop")
+    assert (gpt.criterion._name, gpt.criterion.rdrop_alpha) == ("cross_entropy_rdrop", 1.0)
+    assert (gpt.model.decoder_layers, gpt.model.decoder_embed_dim,
+            gpt.model.decoder_ffn_embed_dim, gpt.model.decoder_attention_heads) == (
+        12, 768, 3072, 12)
+    assert (gpt.model.dropout, gpt.model.attention_dropout) == (0.1, 0.1)
+    assert (gpt.optimizer._name, gpt.optimization.lr, gpt.lr_scheduler.warmup_updates) == (
+        "adam", [0.0005], 4000)
+    assert (gpt.optimization.max_update, gpt.task.tokens_per_sample) == (50000, 512)
+
+    ada = composed_config("transformer_lm_wiki103_rdrop")
+    assert (ada.criterion._name, ada.criterion.rdrop_alpha) == ("adaptive_loss_rdrop", 1.0)
+    assert (ada.model.decoder_layers, ada.model.decoder_embed_dim,
+            ada.model.decoder_ffn_embed_dim) == (16, 1024, 4096)
+    assert (ada.model.dropout, ada.model.attention_dropout, ada.model.activation_dropout,
+            ada.model.adaptive_softmax_dropout) == (0.3, 0.1, 0.1, 0.2)
+    assert ada.model.adaptive_input and ada.model.adaptive_softmax_cutoff == "20000,60000"
+    assert (ada.optimizer._name, ada.optimization.lr, ada.lr_scheduler._name) == (
+        "nag", [1.0], "cosine")
+    assert (ada.optimization.max_update, ada.task.tokens_per_sample) == (286000, 3072)
+    assert ada.distributed_training.ddp_backend == "legacy_ddp"  # adaptive_loss needs it
+
+
+@pytest.fixture
+def command(tmp_path):
+    """The fairseq-hydra-train command train_lm.py runs (no training)."""
+    (tmp_path / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(100)))
+
+    def make(recipe, *args, overrides=()):
+        argv = [recipe, "--data", str(tmp_path), "--save-dir", str(tmp_path / "s"), *args]
+        if overrides:
+            argv += ["--", *overrides]
+        return train_lm.hydra_command(train_lm.parse_args(argv))
+    return make
+
+
+def test_train_options_become_overrides(command):
+    cmd = command("gpt")
+    assert "--config-name" in cmd and "transformer_lm_gpt_rdrop" in cmd
+    assert not [c for c in cmd if c.startswith(("criterion.", "dataset.max_tokens",
+                                                "optimization."))]  # the config's values
+    cmd = command("gpt", "--alpha", "0.5", "--seed", "3", "--max-tokens", "1000",
+                  "--update-freq", "32", "--max-update", "10", overrides=["common.fp16=true"])
+    for item in ("criterion.rdrop_alpha=0.5", "common.seed=3", "dataset.max_tokens=1000",
+                 "optimization.update_freq=[32]", "optimization.max_update=10"):
+        assert item in cmd
+    assert cmd[-1] == "common.fp16=true"
+    assert "criterion.rdrop_alpha=0.0" in command("gpt", "--mode", "baseline")
+    with pytest.raises(SystemExit, match="contradicts --mode baseline"):
+        command("gpt", "--mode", "baseline", "--alpha", "1")
+
+
+def test_train_environment_variables(command, monkeypatch):
+    monkeypatch.setenv("MODE", "baseline")
+    monkeypatch.setenv("SEED", "7")
+    monkeypatch.setenv("UPDATE_FREQ", "4")
+    cmd = command("gpt")
+    assert {"criterion.rdrop_alpha=0.0", "common.seed=7",
+            "optimization.update_freq=[4]"} <= set(cmd)
+    monkeypatch.setenv("MODE", "kl")
+    with pytest.raises(SystemExit):
+        command("gpt")
+
+
+def test_wiki103_cutoffs_need_a_large_vocabulary(command, capsys):
+    with pytest.raises(SystemExit):
+        command("wiki103")
+    assert "need a vocabulary of more than 60000 words" in capsys.readouterr().err
+    assert TINY_CUTOFF[0] in command("wiki103", overrides=TINY_CUTOFF)
+
+
+def test_missing_data_bin_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_lm.parse_args(["gpt", "--data", str(tmp_path), "--save-dir", str(tmp_path)])
+    assert "run scripts/prepare_wikitext.py" in capsys.readouterr().err
+
+
+def test_evaluate_reads_fairseqs_summary_and_refuses_anything_else():
+    out = ("INFO:fairseq_cli.eval_lm:Evaluated 245,569 tokens in 56.1s (4379.02 tokens/s)\n"
+           "INFO:fairseq_cli.eval_lm:Loss (base 2): 4.9283, Perplexity: 30.46\n")
+    assert evaluate_lm.read_result(0, out) == {"loss_base2": 4.9283, "perplexity": 30.46,
+                                               "tokens": 245569}
+    with pytest.raises(SystemExit, match="cannot read the perplexity: fairseq-eval-lm printed "
+                                         "no 'Loss"):
+        evaluate_lm.read_result(0, "Evaluated 0 tokens in 0.0s\n")
+    with pytest.raises(SystemExit, match="non-finite perplexity"):
+        evaluate_lm.read_result(0, "Loss (base 2): nan, Perplexity: nan\n")
+    with pytest.raises(SystemExit, match="fairseq-eval-lm failed .exit code 1"):
+        evaluate_lm.read_result(1, out)
+
+
+def test_evaluate_exits_non_zero_when_the_output_has_no_perplexity(wikitext, tmp_path):
+    """Through the real tool: `-- --help` makes fairseq-eval-lm print its usage and exit 0."""
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(b"")
+    proc = run([sys.executable, REPO / "scripts" / "evaluate_lm.py", "--data", wikitext["bin"],
+                "--checkpoint", checkpoint, "--cpu", "--", "--help"], ok=False)
+    assert proc.returncode != 0
+    assert "error: cannot read the perplexity" in proc.stderr, proc.output[-3000:]
+    proc = run([sys.executable, REPO / "scripts" / "evaluate_lm.py", "--data", wikitext["bin"],
+                "--checkpoint", tmp_path / "missing.pt"], ok=False)
+    assert proc.returncode != 0 and "no checkpoint" in proc.stderr
