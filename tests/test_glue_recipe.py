@@ -1,0 +1,589 @@
+"""The GLUE recipe end to end on stand-ins built here (nothing is downloaded): a tiny
+byte-level GPT-2 BPE (encoder.json, vocab.bpe, dict.txt), a tiny random RoBERTa saved as a
+fairseq checkpoint in place of roberta.large, and tiny RTE (two inputs), STS-B (regression),
+CoLA (one input, MCC) and MNLI (three classes, two dev sets) folders in the GLUE layout:
+prepare -> fine-tune (R-Drop, baseline) -> evaluate; plus the per-task table against the
+paper, the config, the options and errors, and the metric functions."""
+
+import json
+import math
+import random
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import evaluate_glue  # noqa: E402
+import prepare_glue  # noqa: E402
+import train_glue  # noqa: E402
+
+BIN = Path(sys.executable).parent
+# roberta_base shrunk; the fine-tuning config's roberta_large values are overridden alike
+TINY = {"encoder_layers": 1, "encoder_embed_dim": 16, "encoder_ffn_embed_dim": 32,
+        "encoder_attention_heads": 2}
+FAST = ["common.log_interval=1", "dataset.num_workers=0", "common.no_progress_bar=true"]
+WORDS = ("the a man woman dog cat runs sleeps park city river old new red blue music "
+         "plays reads book car drives fast slowly house green is not near café").split()
+ROWS = {"train": 24, "dev": 8, "test": 4}
+MNLI_LABELS = ("entailment", "neutral", "contradiction")
+
+
+def run(cmd, ok=True, env=None):
+    full_env = {"PATH": str(BIN), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
+                          env=full_env)
+    proc.output = proc.stdout + proc.stderr
+    if ok:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+# ------------------------------------------------------------------ stand-ins
+
+
+def write_gpt2_bpe(root, words, seed=0):
+    """A tiny GPT-2-style byte-level BPE: ``encoder.json`` (the 256 byte symbols, then the
+    merged symbols), ``vocab.bpe`` (left-to-right merges spelling each word, with and without
+    the leading space "Ġ" GPT-2 puts on a word after a space) and a fairseq ``dict.txt`` of
+    every BPE id, in shuffled order as GPT-2's dict.txt is ordered by frequency, not id."""
+    from fairseq.data.encoders.gpt2_bpe_utils import bytes_to_unicode
+
+    byte_symbol = bytes_to_unicode()
+    encoder = {byte_symbol[b]: i for i, b in enumerate(sorted(byte_symbol))}
+    merges = []
+    for word in words:
+        symbols = [byte_symbol[b] for b in word.encode("utf-8")]
+        for spelled in ([byte_symbol[ord(" ")]] + symbols, symbols):
+            current = spelled[0]
+            for nxt in spelled[1:]:
+                if (current, nxt) not in merges:
+                    merges.append((current, nxt))
+                current += nxt
+                encoder.setdefault(current, len(encoder))
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "encoder.json").write_text(json.dumps(encoder, ensure_ascii=False),
+                                       encoding="utf-8")
+    (root / "vocab.bpe").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
+                                    encoding="utf-8")
+    ids = list(range(len(encoder)))
+    random.Random(seed).shuffle(ids)
+    (root / "dict.txt").write_text("".join(f"{i} {1000 - n}\n" for n, i in enumerate(ids)))
+    return root
+
+
+def sentence(rng, lo=3, hi=9):
+    words = [rng.choice(WORDS) for _ in range(rng.randint(lo, hi))]
+    return " ".join(words).capitalize() + rng.choice([".", "!", " ?", ""])
+
+
+def write_glue(root, seed=0):
+    """RTE, STS-B, CoLA and MNLI folders in the GLUE download layout (headers, columns)."""
+    rng = random.Random(seed)
+    rte, stsb, cola, mnli = root / "RTE", root / "STS-B", root / "CoLA", root / "MNLI"
+    for folder in (rte, stsb, cola, mnli):
+        folder.mkdir(parents=True)
+    data = {"RTE": {}, "STS-B": {}, "CoLA": {}, "MNLI": {}}
+    for split, n in ROWS.items():
+        test = split == "test"
+        # CoLA: one sentence; no header in train/dev: source, label, annotation, sentence
+        rows = [(sentence(rng), str(i % 2)) for i in range(n + 8)]  # CoLA's batch is 16
+        data["CoLA"][split] = rows
+        (cola / f"{split}.tsv").write_text("\n".join(
+            (["index\tsentence"] + [f"{i}\t{s}" for i, (s, _) in enumerate(rows)]) if test
+            else [f"gj04\t{lab}\t{'' if lab == '1' else '*'}\t{s}" for s, lab in rows]) + "\n",
+            encoding="utf-8")
+        rows = []
+        for i in range(n):
+            s1, s2 = sentence(rng), sentence(rng)
+            label = "entailment" if i % 2 else "not_entailment"
+            rows.append((s1, s2, label))
+        data["RTE"][split] = rows
+        header = "index\tsentence1\tsentence2" + ("" if test else "\tlabel")
+        (rte / f"{split}.tsv").write_text("\n".join(
+            [header] + [f"{i}\t{s1}\t{s2}" + ("" if test else f"\t{lab}")
+                        for i, (s1, s2, lab) in enumerate(rows)]) + "\n", encoding="utf-8")
+        rows = []
+        for i in range(n + 8):  # STS-B's batch is 16
+            s1, s2 = sentence(rng), sentence(rng)
+            rows.append((s1, s2, f"{rng.uniform(0, 5):.3f}"))
+        data["STS-B"][split] = rows
+        header = ("index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\t"
+                  "sentence2" + ("" if test else "\tscore"))
+        (stsb / f"{split}.tsv").write_text("\n".join(
+            [header] + [f"{i}\tmain-captions\tMSRvid\t2012test\t{i:04d}\tnone\tnone\t{s1}\t{s2}"
+                        + ("" if test else f"\t{score}")
+                        for i, (s1, s2, score) in enumerate(rows)]) + "\n", encoding="utf-8")
+        # MNLI: two dev and test sets; text in columns 9, 10; gold label in 12 (train) or
+        # 16 (dev: after label1..label5); test without labels
+        for name in {"train": ["train"], "dev": ["dev_matched", "dev_mismatched"],
+                     "test": ["test_matched", "test_mismatched"]}[split]:
+            rows = [(sentence(rng), sentence(rng), MNLI_LABELS[i % 3]) for i in range(n + 8)]
+            data["MNLI"][name] = rows
+            lines = []
+            for i, (s1, s2, lab) in enumerate(rows):
+                fields = [str(i), "31193", f"{i}n", "fiction", f"( {s1} )", f"( {s2} )",
+                          f"(ROOT {s1})", f"(ROOT {s2})", s1, s2]
+                fields += [] if test else [lab] * (1 if split == "train" else 5) + [lab]
+                lines.append("\t".join(fields))
+            header = "\t".join(["index", "promptID", "pairID", "genre", "s1_bp", "s2_bp",
+                                "s1_p", "s2_p", "sentence1", "sentence2"][:10]
+                               + ([] if test else ["label1"] * (1 if split == "train" else 5)
+                                  + ["gold_label"]))
+            (mnli / f"{name}.tsv").write_text("\n".join([header] + lines) + "\n",
+                                             encoding="utf-8")
+    return data
+
+
+@pytest.fixture(scope="module")
+def glue(tmp_path_factory):
+    """BPE files, GLUE folders, their prepared data-bins and the tiny RoBERTa."""
+    root = tmp_path_factory.mktemp("glue")
+    bpe = write_gpt2_bpe(root / "gpt2_bpe", WORDS)
+    data = write_glue(root / "glue_data")
+    log = run([sys.executable, REPO / "scripts" / "prepare_glue.py", "rte", "STS-B", "CoLA",
+               "mnli", "--glue-dir", root / "glue_data", "--out", root / "bin",
+               "--bpe-dir", bpe]).stdout
+    # roberta.large stand-in: a masked-LM RoBERTa trained one update on RTE's text with the
+    # same dict.txt, saved by fairseq-train; the folder holds model.pt + dict.txt as the
+    # roberta.large archive does
+    pretrain = root / "pretrain"
+    run([BIN / "fairseq-train", root / "bin" / "RTE-bin" / "input0", "--task", "masked_lm",
+         "--criterion", "masked_lm", "--arch", "roberta_base",
+         *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()],
+         "--max-positions", "512", "--tokens-per-sample", "512", "--sample-break-mode", "eos",
+         "--batch-size", "4", "--optimizer", "adam", "--lr", "1e-4", "--max-update", "1", "--cpu",
+         "--disable-validation", "--num-workers", "0", "--save-dir", pretrain,
+         "--no-epoch-checkpoints", "--seed", "1"])
+    roberta = root / "roberta.large"
+    roberta.mkdir()
+    shutil.copy(pretrain / "checkpoint_last.pt", roberta / "model.pt")
+    shutil.copy(bpe / "dict.txt", roberta / "dict.txt")
+    return {"root": root, "bpe": bpe, "data": data, "log": log, "glue_dir": root / "glue_data",
+            "bin": root / "bin", "roberta": roberta / "model.pt"}
+
+
+# ------------------------------------------------------------------ prepare
+
+
+def test_prepare_writes_fairseqs_sentence_prediction_layout(glue):
+    from fairseq.data import Dictionary, data_utils
+    from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
+
+    rte, stsb = glue["bin"] / "RTE-bin", glue["bin"] / "STS-B-bin"
+    for key in ("input0", "input1"):
+        for split in ("train", "valid", "test"):
+            assert (rte / key / f"{split}.bin").is_file()
+            assert (stsb / key / f"{split}.idx").is_file()
+        # --srcdict: the RoBERTa dictionary as it is, not one built from the data
+        assert ((rte / key / "dict.txt").read_text().splitlines()
+                == (glue["bpe"] / "dict.txt").read_text().splitlines())
+    # the binarized text decodes back to the TSV's column (BPE ids -> dict -> BPE decode)
+    bpe = get_encoder(glue["bpe"] / "encoder.json", glue["bpe"] / "vocab.bpe")
+    vocab = Dictionary.load(str(rte / "input1" / "dict.txt"))
+    dataset = data_utils.load_indexed_dataset(str(rte / "input1" / "valid"), vocab)
+    decoded = [bpe.decode([int(t) for t in vocab.string(dataset[i]).split()])
+               for i in range(len(dataset))]
+    assert decoded == [s2 for _, s2, _ in glue["data"]["RTE"]["dev"]]
+    assert "are not in" not in glue["log"]  # every BPE id is in dict.txt (no <unk>)
+    # labels: a label dictionary built from train, the dev labels binarized with it
+    labels = Dictionary.load(str(rte / "label" / "dict.txt"))
+    assert {labels[i] for i in range(labels.nspecial, len(labels))
+            if not labels[i].startswith("madeupword")} == {"entailment", "not_entailment"}
+    dataset = data_utils.load_indexed_dataset(str(rte / "label" / "valid"), labels)
+    assert [labels.string(dataset[i]) for i in range(len(dataset))] == [
+        lab for _, _, lab in glue["data"]["RTE"]["dev"]]
+    # STS-B: no label dictionary; the scores as text, divided by 5 as fairseq's script does
+    assert not (stsb / "label" / "dict.txt").exists()
+    for split, name in (("train", "train"), ("dev", "valid")):
+        values = [float(v) for v in (stsb / "label" / f"{name}.label").read_text().split()]
+        assert values == pytest.approx([float(s) / 5 for _, _, s in glue["data"]["STS-B"][split]],
+                                       abs=1e-6)
+    assert "RTE: train 24, dev 8, test 4 rows" in glue["log"]
+    # CoLA: one input, no header in train/dev (every row kept), labels 0/1
+    cola = glue["bin"] / "CoLA-bin"
+    assert (cola / "input0" / "valid.bin").is_file() and not (cola / "input1").exists()
+    assert "CoLA: train 32, dev 16, test 12 rows" in glue["log"]
+    # MNLI: valid = dev_matched, valid1 = dev_mismatched, test/test1; three labels
+    mnli = glue["bin"] / "MNLI-bin"
+    for name in ("train", "valid", "valid1", "test", "test1"):
+        assert (mnli / "input1" / f"{name}.bin").is_file(), name
+    labels = Dictionary.load(str(mnli / "label" / "dict.txt"))
+    for name, split in (("valid", "dev_matched"), ("valid1", "dev_mismatched")):
+        dataset = data_utils.load_indexed_dataset(str(mnli / "label" / name), labels)
+        assert [labels.string(dataset[i]) for i in range(len(dataset))] == [
+            lab for _, _, lab in glue["data"]["MNLI"][split]]
+    assert (cola / "processed" / "dev.raw.input0").read_text().splitlines() == [
+        s for s, _ in glue["data"]["CoLA"]["dev"]]
+
+
+def write_tsv(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join("\t".join(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def test_prepare_reads_each_glue_layout(tmp_path):
+    # CoLA: train/dev without header, sentence in column 4, label in 2; test with header
+    write_tsv(tmp_path / "CoLA" / "train.tsv", [("gj04", "1", "", "The dog runs."),
+                                                ("gj04", "0", "*", "Dog the runs.")])
+    assert prepare_glue.read_split("CoLA", tmp_path / "CoLA", "train") == [
+        (("The dog runs.",), "1"), (("Dog the runs.",), "0")]
+    write_tsv(tmp_path / "CoLA" / "test.tsv", [("index", "sentence"), ("0", "A cat.")])
+    assert prepare_glue.read_split("CoLA", tmp_path / "CoLA", "test") == [(("A cat.",), None)]
+    # SST-2: header; a stray carriage return inside the text is kept, one at the end not
+    write_tsv(tmp_path / "SST-2" / "dev.tsv", [("sentence", "label"), ("good \rfilm ", "1\r")])
+    assert prepare_glue.read_split("SST-2", tmp_path / "SST-2", "dev") == [
+        (("good \rfilm ",), "1")]
+    # MNLI: dev files keep the gold label in column 16, train in 12
+    row = [str(i) for i in range(1, 17)]
+    write_tsv(tmp_path / "MNLI" / "dev_matched.tsv", [row, row])
+    write_tsv(tmp_path / "MNLI" / "train.tsv", [row[:12], row[:12]])
+    assert prepare_glue.read_split("MNLI", tmp_path / "MNLI", "dev_matched") == [
+        (("9", "10"), "16")]
+    assert prepare_glue.read_split("MNLI", tmp_path / "MNLI", "train") == [(("9", "10"), "12")]
+    assert prepare_glue.TASKS["MNLI"].dev_splits == ("dev_matched", "dev_mismatched")
+    # QQP: rows without exactly 6 fields are dropped, as fairseq's script does
+    write_tsv(tmp_path / "QQP" / "train.tsv", [
+        ("id", "qid1", "qid2", "question1", "question2", "is_duplicate"),
+        ("1", "1", "2", "Why?", "How?", "0"), ("2", "3", "4", "broken"),
+        ("3", "5", "6", "Who?", "What?", "1", "extra")])
+    assert prepare_glue.read_split("QQP", tmp_path / "QQP", "train") == [(("Why?", "How?"), "0")]
+    # errors name the file (and line)
+    with pytest.raises(prepare_glue.GlueDataError, match=r"RTE.dev\.tsv does not exist"):
+        prepare_glue.read_split("RTE", tmp_path / "RTE", "dev")
+    write_tsv(tmp_path / "RTE" / "train.tsv", [("index", "s1", "s2", "label"), ("0", "a b")])
+    with pytest.raises(prepare_glue.GlueDataError, match=r"train\.tsv:2: 2 tab-separated "
+                                                        r"fields, RTE needs 4"):
+        prepare_glue.read_split("RTE", tmp_path / "RTE", "train")
+    with pytest.raises(prepare_glue.GlueDataError, match="no QNLI/train.tsv in"):
+        prepare_glue.task_dir(tmp_path, "QNLI")
+    assert prepare_glue.task_dir(tmp_path / "RTE", "RTE") == tmp_path / "RTE"  # the task folder
+    with pytest.raises(prepare_glue.GlueDataError, match="no QNLI/train.tsv in"):
+        prepare_glue.task_dir(tmp_path / "RTE", "QNLI")  # not another task's folder
+    with pytest.raises(prepare_glue.GlueDataError, match="unknown GLUE task 'WNLI'; the tasks"):
+        prepare_glue.task_name("WNLI")
+    assert prepare_glue.task_name("sts-b") == "STS-B"
+
+
+def test_prepare_command_line_errors(glue, tmp_path, capsys):
+    base = ["--glue-dir", str(glue["glue_dir"]), "--out", str(tmp_path)]
+    for argv, message in [
+        (["WNLI", *base, "--bpe-dir", str(glue["bpe"])], "unknown GLUE task 'WNLI'"),
+        (["RTE", *base], "--encoder-json (or --bpe-dir) is required"),
+        (["RTE", *base, "--bpe-dir", str(tmp_path)], "encoder.json does not exist"),
+        (["RTE", "--out", str(tmp_path), "--bpe-dir", str(glue["bpe"])],
+         "--glue-dir (or $GLUE_DIR) is required"),
+    ]:
+        with pytest.raises(SystemExit):
+            prepare_glue.parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit, match="no QNLI/train.tsv in"):  # checked before any work
+        prepare_glue.main(["RTE", "QNLI", *base, "--bpe-dir", str(glue["bpe"])])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_evaluate_command_line_errors(glue, tmp_path, capsys):
+    ckpt = tmp_path / "checkpoint_best.pt"
+    ckpt.write_bytes(b"")
+    base = ["--data", str(glue["bin"] / "RTE-bin"), "--glue-dir", str(glue["glue_dir"])]
+    for argv, message in [
+        (["WNLI", "--checkpoint", str(ckpt), *base], "unknown GLUE task 'WNLI'"),
+        (["RTE", "--checkpoint", str(tmp_path / "none.pt"), *base], "no checkpoint "),
+        (["RTE", "--checkpoint", str(ckpt), *base], "--encoder-json (or --bpe-dir) is required"),
+        (["RTE", "--checkpoint", str(ckpt), *base, "--bpe-dir", str(tmp_path)],
+         "encoder.json does not exist"),
+        (["RTE", "--checkpoint", str(ckpt), "--data", str(tmp_path), "--glue-dir",
+          str(glue["glue_dir"])], "is not a GLUE data-bin (no input0/dict.txt)"),
+    ]:
+        with pytest.raises(SystemExit):
+            evaluate_glue.parse_args(argv)
+        assert message in capsys.readouterr().err, argv
+
+
+# ------------------------------------------------------------------ fine-tune + evaluate
+
+
+def train(glue, task, save_dir, *args):
+    return run([sys.executable, REPO / "scripts" / "train_glue.py", task,
+                "--data", glue["bin"] / f"{task}-bin", "--roberta-checkpoint", glue["roberta"],
+                "--save-dir", save_dir, "--cpu", *args, "--",
+                *[f"model.{k}={v}" for k, v in TINY.items()], *FAST]).stdout
+
+
+def stats(log, kind):
+    """``[{key: value}]`` of fairseq's simple-format ``kind`` lines (train_inner, valid)."""
+    out = []
+    for line in log.splitlines():
+        if kind == "train_inner" and "[train_inner]" in line:
+            out.append(dict(re.findall(r"(\w+)=([^,\s]+)", line)))
+        elif kind == "valid" and "| valid on 'valid' subset" in line:
+            out.append(dict(re.findall(r"\| (\w+) ([^|\s]+)", line)))
+    return out
+
+
+@pytest.mark.parametrize("task,consistency,metric", [
+    ("RTE", "rdrop_kl", "accuracy"), ("STS-B", "rdrop_mse", "pearson"),
+    ("CoLA", "rdrop_kl", "mcc"), ("MNLI", "rdrop_kl", "accuracy")])
+def test_finetune_with_rdrop_then_evaluate(glue, tmp_path, task, consistency, metric):
+    save = tmp_path / "ckpt"
+    log = train(glue, task, save, "--max-update", "3")
+    assert "criterion: SentencePredictionRDropCriterion" in log
+    assert f"Loaded checkpoint {glue['roberta']}" in log  # restored the RoBERTa stand-in
+    inner = stats(log, "train_inner")
+    assert len(inner) == 3, log[-3000:]
+    for line in inner:  # the R-Drop term is logged, positive (dropout 0.1 is on)
+        value = float(line[consistency])
+        assert math.isfinite(value) and value > 0, line
+    valid = stats(log, "valid")
+    assert valid and not any(consistency in v for v in valid), log[-3000:]
+    assert all(metric in v for v in valid), valid
+    # checkpoint_best.pt's validation score as fairseq computed it (on the data-bin)
+    best = float(re.findall(r"Saved checkpoint \S+checkpoint_best\.pt .*score ([-\d.]+)",
+                            log)[-1])
+
+    out = run([sys.executable, REPO / "scripts" / "evaluate_glue.py", task.lower(),
+               "--checkpoint", save / "checkpoint_best.pt", "--data", glue["bin"] / f"{task}-bin",
+               "--glue-dir", glue["glue_dir"], "--bpe-dir", glue["bpe"], "--cpu",
+               "--batch-size", "3", "--json", tmp_path / "m.json"])
+    results = json.loads((tmp_path / "m.json").read_text())["metrics"]
+    dev_splits = prepare_glue.TASKS[task].dev_splits  # MNLI: matched and mismatched
+    assert list(results) == list(dev_splits)
+    names = evaluate_glue.METRICS[task]
+    for split, result in results.items():
+        assert result["examples"] == len(glue["data"][task][split])
+        assert set(result) == {*names, "examples"}
+        for name in names:
+            assert re.search(rf"^{task} {split}: .*{name} {result[name]:.2f}", out.stdout, re.M)
+            low = -100 if name in ("pearson", "spearman", "mcc") else 0
+            assert low <= result[name] <= 100, result
+    # the hub interface on the raw TSV agrees with fairseq's validation on the data-bin
+    # (its first validation set: MNLI matched)
+    assert results[dev_splits[0]][metric] == pytest.approx(best, abs=0.051)
+    assert "batch" in out.stderr  # the tqdm progress bar
+    if task == "MNLI":  # both dev sets validated during training (valid1: mismatched)
+        assert "valid on 'valid1' subset" in log
+
+
+def test_baseline_mode_is_fairseqs_sentence_prediction(glue, tmp_path):
+    log = train(glue, "RTE", tmp_path / "ckpt", "--mode", "baseline", "--max-update", "2")
+    assert "criterion.rdrop_alpha=0.0" in log and "R-Drop is off" in log
+    inner = stats(log, "train_inner")
+    assert len(inner) == 2 and all("rdrop_kl" not in line and "loss" in line for line in inner)
+    assert (tmp_path / "ckpt" / "checkpoint_best.pt").is_file()
+
+
+# ------------------------------------------------------------------ the paper's settings
+
+# reference/rdrop-method.md, "GLUE per-task settings (paper appendix table 1)"
+PAPER_TABLE = {
+    #         max update, batch (sentences), alpha
+    "CoLA": (5336, 16, 0.5),
+    "MRPC": (2296, 16, 1.0),
+    "RTE": (3120, 8, 1.0),
+    "SST-2": (20935, 32, 1.0),
+    "MNLI": (123873, 32, 0.5),
+    "QNLI": (33112, 32, 1.0),
+    "QQP": (113272, 32, 0.5),
+    "STS-B": (3598, 16, 1.0),
+}
+
+
+def test_task_table_is_the_papers():
+    assert {t: (s.max_update, s.batch_size, s.alpha) for t, s in train_glue.TASKS.items()} \
+        == PAPER_TABLE
+    assert set(prepare_glue.TASKS) == set(train_glue.TASKS) == set(evaluate_glue.METRICS)
+    assert {t: s.num_classes for t, s in train_glue.TASKS.items()} == {
+        **{t: 2 for t in PAPER_TABLE}, "MNLI": 3, "STS-B": 1}
+    # checkpoint selection by what the paper reports
+    assert {t: s.metric for t, s in train_glue.TASKS.items()} == {
+        **{t: "accuracy" for t in PAPER_TABLE}, "CoLA": "mcc", "STS-B": "pearson"}
+    assert [t for t, s in prepare_glue.TASKS.items() if s.regression] == ["STS-B"]
+    # warmup: 6% of the updates (fairseq's GLUE configs: CoLA 320, QNLI 1986, MNLI 7432)
+    assert [train_glue.warmup_updates(n) for n in (5336, 33112, 123873)] == [320, 1986, 7432]
+
+
+def composed_config(name, overrides=()):
+    """The config fairseq-hydra-train composes from configs/NAME.yaml."""
+    from fairseq.dataclass.initialize import add_defaults, hydra_init
+    from hydra import compose, initialize_config_dir
+
+    hydra_init(name)
+    with warnings.catch_warnings():  # hydra 1.1 behaviour, as fairseq-hydra-train's
+        warnings.simplefilter("ignore")
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.1"):
+            cfg = compose(config_name=name, overrides=[
+                f"common.user_dir={REPO / 'rdrop_fairseq'}", "task.data=/nonexistent",
+                "checkpoint.restore_file=/nonexistent.pt", *overrides])
+    add_defaults(cfg)
+    return cfg
+
+
+def command(tmp_path, task, *args, overrides=()):
+    """The fairseq-hydra-train command train_glue.py runs for a fake data-bin (no training)."""
+    data = tmp_path / f"{task}-bin"
+    for key in ("input0", "input1"):
+        (data / key).mkdir(parents=True, exist_ok=True)
+        for file in ("dict.txt", "train.bin", "valid.bin"):
+            (data / key / file).write_text("")
+    (data / "label").mkdir(exist_ok=True)
+    labels = {"MNLI": ["entailment", "neutral", "contradiction"]}.get(task, ["0", "1"])
+    (data / "label" / "dict.txt").write_text("".join(f"{x} 9\n" for x in labels)
+                                             + "madeupword0000 0\n")
+    for split in ("train", "valid"):
+        (data / "label" / f"{split}.label").write_text("0.5\n")
+    ckpt = tmp_path / "model.pt"
+    ckpt.write_bytes(b"")
+    argv = [task, "--data", str(data), "--roberta-checkpoint", str(ckpt),
+            "--save-dir", str(tmp_path / "s"), *args]
+    if overrides:
+        argv += ["--", *overrides]
+    return train_glue.hydra_command(train_glue.parse_args(argv))
+
+
+def overrides_of(cmd):
+    return dict(item.split("=", 1) for item in cmd if "=" in item and not item.startswith("-"))
+
+
+def test_config_holds_the_papers_common_settings(tmp_path):
+    cmd = command(tmp_path, "RTE")
+    cfg = composed_config(train_glue.CONFIG, [o for o in cmd if o.startswith((
+        "task.num_classes", "criterion.", "dataset.batch_size", "optimization.max_update",
+        "lr_scheduler.warmup_updates"))])
+    assert (cfg.task._name, cfg.task.init_token, cfg.task.separator_token,
+            cfg.task.max_positions) == ("sentence_prediction", 0, 2, 512)
+    assert (cfg.optimizer._name, cfg.optimizer.adam_eps, cfg.optimizer.weight_decay) == (
+        "adam", 1e-6, 0.01)
+    assert eval(cfg.optimizer.adam_betas) == (0.9, 0.98)
+    assert (cfg.optimization.lr, cfg.optimization.clip_norm) == ([1e-5], 0.0)
+    assert (cfg.model._name, cfg.model.dropout, cfg.model.attention_dropout) == (
+        "roberta_large", 0.1, 0.1)
+    assert cfg.lr_scheduler._name == "polynomial_decay"
+    assert cfg.lr_scheduler.total_num_update == cfg.optimization.max_update == 3120
+    assert (cfg.lr_scheduler.warmup_updates, cfg.dataset.batch_size) == (187, 8)
+    assert (cfg.criterion._name, cfg.criterion.rdrop_alpha) == ("sentence_prediction_rdrop", 1.0)
+    assert (cfg.checkpoint.reset_optimizer, cfg.checkpoint.reset_dataloader,
+            cfg.checkpoint.reset_meters) == (True, True, True)
+    assert cfg.checkpoint.restore_file == "/nonexistent.pt"
+    # every task's overrides compose (hydra syntax), e.g. MNLI's two validation sets
+    for task in PAPER_TABLE:
+        cfg = composed_config(train_glue.CONFIG, [
+            o for o in command(tmp_path, task, "--update-freq", "2")
+            if o.split("=")[0].split(".")[0] in ("task", "criterion", "dataset", "optimization",
+                                                  "lr_scheduler", "checkpoint")
+            and not o.startswith(("task.data", "checkpoint.restore_file"))])
+        assert cfg.optimization.update_freq == [2]
+        assert cfg.criterion.regression_target == (task == "STS-B")
+    assert cfg.checkpoint.best_checkpoint_metric == "pearson"  # STS-B, the last
+    cfg = composed_config(train_glue.CONFIG, [o for o in command(tmp_path, "MNLI")
+                                              if o.startswith("dataset.valid_subset")])
+    assert cfg.dataset.valid_subset == "valid,valid1"
+
+
+def test_config_architecture_is_fairseqs_roberta_large():
+    """The config spells roberta_large out; with fairseq's arch function applied (as
+    build_model does) nothing changes."""
+    import argparse
+
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+    from omegaconf import OmegaConf
+
+    cfg = composed_config(train_glue.CONFIG)
+    model = OmegaConf.to_container(cfg.model, resolve=True)
+    reference = argparse.Namespace()
+    ARCH_CONFIG_REGISTRY["roberta_large"](reference)
+    assert {k: model[k] for k in TINY} == {k: getattr(reference, k) for k in TINY} == {
+        "encoder_layers": 24, "encoder_embed_dim": 1024, "encoder_ffn_embed_dim": 4096,
+        "encoder_attention_heads": 16}
+    assert model["dropout"] == reference.dropout and model["attention_dropout"] == 0.1
+
+
+def test_train_fills_in_each_tasks_settings(tmp_path):
+    for task, (max_update, batch, alpha) in PAPER_TABLE.items():
+        o = overrides_of(command(tmp_path, task))
+        assert (o["optimization.max_update"], o["dataset.batch_size"],
+                o["criterion.rdrop_alpha"]) == (str(max_update), str(batch), str(alpha)), task
+        assert o["lr_scheduler.warmup_updates"] == str(int(0.06 * max_update))
+        assert o["task.num_classes"] == str(train_glue.TASKS[task].num_classes)
+    o = overrides_of(command(tmp_path, "STS-B"))
+    assert (o["criterion.regression_target"], o["checkpoint.best_checkpoint_metric"],
+            o["criterion.report_pearson_and_spearman"]) == ("true", "pearson", "true")
+    o = overrides_of(command(tmp_path, "cola"))
+    assert (o["checkpoint.best_checkpoint_metric"], o["criterion.report_mcc"]) == ("mcc", "true")
+    assert overrides_of(command(tmp_path, "MRPC"))["criterion.report_acc_and_f1"] == "true"
+    assert overrides_of(command(tmp_path, "MNLI"))["dataset.valid_subset"] == "'valid,valid1'"
+    # options: alpha, seed, shorter runs (warmup stays 6%), update-freq splits the batch
+    o = overrides_of(command(tmp_path, "QNLI", "--alpha", "0.3", "--seed", "4", "--max-update",
+                             "1000", "--update-freq", "4", overrides=["common.fp16=true"]))
+    assert (o["criterion.rdrop_alpha"], o["common.seed"], o["optimization.max_update"],
+            o["lr_scheduler.warmup_updates"], o["dataset.batch_size"],
+            o["optimization.update_freq"], o["common.fp16"]) == (
+        "0.3", "4", "1000", "60", "8", "[4]", "true")
+    cmd = command(tmp_path, "RTE", "--mode", "baseline")
+    assert overrides_of(cmd)["criterion.rdrop_alpha"] == "0.0"
+
+
+def test_train_validates_its_input(tmp_path, capsys, monkeypatch):
+    for args, message in [
+        (("WNLI",), "unknown GLUE task 'WNLI'"),
+        (("RTE", "--mode", "kl"), "must be one of rdrop, baseline, not 'kl'"),
+        (("RTE", "--mode", "baseline", "--alpha", "1"), "contradicts --mode baseline"),
+        (("RTE", "--update-freq", "3"), "does not divide RTE's batch of 8"),
+    ]:
+        with pytest.raises(SystemExit):
+            command(tmp_path, *args)
+        assert message in capsys.readouterr().err, args
+    monkeypatch.setenv("MODE", "both")
+    with pytest.raises(SystemExit):
+        command(tmp_path, "RTE")
+    assert "not 'both'" in capsys.readouterr().err
+    monkeypatch.setenv("MODE", "baseline")
+    monkeypatch.setenv("SEED", "9")
+    assert {"criterion.rdrop_alpha=0.0", "common.seed=9"} <= set(command(tmp_path, "RTE"))
+    monkeypatch.delenv("MODE")
+    # a data-bin of another task, or none
+    command(tmp_path, "RTE")
+    with pytest.raises(SystemExit):
+        train_glue.parse_args(["MNLI", "--data", str(tmp_path / "RTE-bin"),
+                               "--roberta-checkpoint", str(tmp_path / "model.pt"),
+                               "--save-dir", str(tmp_path)])
+    assert "lists 2 labels (0, 1); MNLI has 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_glue.parse_args(["RTE", "--data", str(tmp_path / "none"), "--roberta-checkpoint",
+                               str(tmp_path / "model.pt"), "--save-dir", str(tmp_path)])
+    assert "no input0/dict.txt): run scripts/prepare_glue.py RTE" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_glue.parse_args(["RTE", "--data", str(tmp_path / "RTE-bin"),
+                               "--roberta-checkpoint", str(tmp_path / "missing.pt"),
+                               "--save-dir", str(tmp_path)])
+    assert "missing.pt does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def test_metrics_agree_with_hand_computed_values():
+    gold = ["1", "1", "1", "0", "0", "1"]
+    pred = ["1", "0", "1", "0", "1", "1"]
+    # TP 3, FP 1, FN 1, TN 1
+    assert evaluate_glue.accuracy(pred, gold) == pytest.approx(100 * 4 / 6)
+    assert evaluate_glue.f1(pred, gold) == pytest.approx(100 * 2 * 3 / (2 * 3 + 1 + 1))
+    mcc = (3 * 1 - 1 * 1) / math.sqrt((3 + 1) * (3 + 1) * (1 + 1) * (1 + 1))
+    assert evaluate_glue.mcc(pred, gold) == pytest.approx(100 * mcc)
+    assert evaluate_glue.task_metrics("MRPC", pred, gold) == pytest.approx(
+        {"f1": 75.0, "accuracy": 100 * 4 / 6})
+    assert evaluate_glue.task_metrics("CoLA", pred, gold) == pytest.approx({"mcc": 25.0})
+    x, y = [1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 2.0, 5.0]
+    # Pearson by hand: means 2.5, 2.75; cov sum 5.5; sqrt(5 * 8.75)
+    assert evaluate_glue.pearson(x, y) == pytest.approx(100 * 5.5 / math.sqrt(5 * 8.75))
+    # Spearman: ranks of y are 1 3 2 4: 1 - 6 * 2 / (4 * 15)
+    assert evaluate_glue.spearman(x, y) == pytest.approx(100 * (1 - 6 * 2 / 60))
+    assert set(evaluate_glue.task_metrics("STS-B", x, y)) == {"pearson", "spearman"}
+    assert evaluate_glue.task_metrics("MNLI", ["a", "b"], ["a", "c"]) == {"accuracy": 50.0}
+    with pytest.raises(ValueError):
+        evaluate_glue.task_metrics("RTE", ["a"], ["a", "b"])
