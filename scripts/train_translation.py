@@ -59,6 +59,8 @@ def parse_args(argv):
         argv, overrides = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     a = p.parse_args(argv)
     a.overrides = overrides
+    if a.mode not in MODES:  # argparse does not check a default taken from $MODE
+        p.error(f"MODE={a.mode!r}: choose one of {', '.join(MODES)}")
     for name in ("data", "save_dir"):
         if not getattr(a, name):
             p.error(f"--{name.replace('_', '-')} (or ${name.upper()}) is required")

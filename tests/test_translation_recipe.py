@@ -59,6 +59,14 @@ def test_alpha_with_a_kl_free_mode_is_refused(overrides):
         overrides("baseline", "--alpha", "5")
 
 
+def test_mode_from_the_environment_is_checked(tmp_path, monkeypatch, capsys):
+    (tmp_path / "dict.de.txt").write_text("")
+    monkeypatch.setenv("MODE", "rdorp")
+    with pytest.raises(SystemExit):
+        train_translation.parse_args(["iwslt", "--data", str(tmp_path), "--save-dir", "x"])
+    assert "MODE='rdorp': choose one of rdrop, baseline" in capsys.readouterr().err
+
+
 def test_paper_metrics_per_recipe_and_pair():
     assert metric_for("iwslt", "de", "en") == "tokenized"
     assert metric_for("iwslt", "en", "de") == "tokenized"
