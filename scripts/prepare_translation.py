@@ -52,22 +52,27 @@ SPLITS = ("train", "valid", "test")
 MOSES_DOES_NOT_SEGMENT = ("zh", "ja", "ko", "th")
 
 
-def export_libreoffice(raw, train_pairs=None, eval_pairs=None, seed=0):
+def export_libreoffice(raw, train_pairs=None, valid_pairs=None, test_pairs=None, seed=0,
+                       max_words=None):
     """Write the committed LibreOffice help corpus as RAW/{split}.{de,en}.
 
+    ``max_words``: only pairs of at most that many words a side (every split);
     ``train_pairs``: a random subset (fixed by ``seed``) of that many training pairs;
-    ``eval_pairs``: the first that many validation and test pairs.
+    ``valid_pairs`` / ``test_pairs``: the first that many validation / test pairs.
     """
+    keep = {"valid": valid_pairs, "test": test_pairs}
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from prepare_libreoffice_corpus import read_pairs
 
     raw.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
         pairs = read_pairs(REPO / "data" / "libreoffice-help-de-en" / f"{split}.tsv.xz")
+        if max_words:
+            pairs = [p for p in pairs if max(len(p[0].split()), len(p[1].split())) <= max_words]
         if split == "train" and train_pairs:
             pairs = random.Random(seed).sample(pairs, min(train_pairs, len(pairs)))
-        elif split != "train" and eval_pairs:
-            pairs = pairs[:eval_pairs]
+        elif keep.get(split):
+            pairs = pairs[:keep[split]]
         for side, lang in ((0, "de"), (1, "en")):
             (raw / f"{split}.{lang}").write_text("".join(p[side] + "\n" for p in pairs),
                                                  encoding="utf-8")
