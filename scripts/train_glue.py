@@ -27,12 +27,12 @@ batches of batch/N sentences (R-Drop doubles each batch in memory).
 
 import argparse
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_common import base_command, launch, parse_with_overrides  # noqa: E402
 CONFIG = "roberta_glue_rdrop"
 MODES = ("rdrop", "baseline")
 # fairseq's examples/roberta GLUE configs: warmup = 6% of max updates (their table differs
@@ -104,11 +104,7 @@ def parse_args(argv):
                    help="run the paper's batch as N batches of batch/N sentences")
     p.add_argument("--cpu", action="store_true", help="train on the CPU")
     p.add_argument("--fp16", action="store_true", help="common.fp16=true (GPU)")
-    overrides = []
-    if "--" in argv:  # after --: fairseq-hydra-train overrides, passed through
-        argv, overrides = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    a = p.parse_args(argv)
-    a.overrides = overrides
+    a = parse_with_overrides(p, argv)
     task = task_name(a.task)
     if task is None:
         p.error(f"unknown GLUE task {a.task!r}; the tasks are {', '.join(TASKS)}")
@@ -163,15 +159,10 @@ def check_data(task, data):
 
 def hydra_command(a):
     s = TASKS[a.task]
-    save_dir = Path(a.save_dir).resolve()
     max_update = a.max_update or s.max_update
     alpha = 0.0 if a.mode == "baseline" else (s.alpha if a.alpha is None else a.alpha)
-    cmd = [str(Path(sys.executable).parent / "fairseq-hydra-train"),
-           "--config-dir", str(REPO / "configs"), "--config-name", CONFIG,
-           f"common.user_dir={REPO / 'rdrop_fairseq'}", f"task.data={Path(a.data).resolve()}",
+    cmd = base_command(CONFIG, a) + [
            f"checkpoint.restore_file={Path(a.roberta_checkpoint).resolve()}",
-           f"checkpoint.save_dir={save_dir}", f"hydra.run.dir={save_dir / 'hydra'}",
-           f"common.seed={a.seed}",
            f"task.num_classes={s.num_classes}",
            f"criterion.rdrop_alpha={alpha}",
            f"criterion.regression_target={str(s.regression).lower()}",
@@ -194,10 +185,7 @@ def hydra_command(a):
 
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    cmd = hydra_command(a)
-    print("[train] " + " ".join(cmd), flush=True)
-    Path(a.save_dir).mkdir(parents=True, exist_ok=True)
-    sys.exit(subprocess.call(cmd))
+    launch(hydra_command(a), a.save_dir)
 
 
 if __name__ == "__main__":

@@ -24,11 +24,12 @@ GPUs x update-freq equal to the paper's (8 x 16 = 128 for gpt, 8 x 3 = 24 for wi
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_common import (base_command, baseline_alpha, check_common, launch,  # noqa: E402
+                           optional_overrides, parse_with_overrides)
 RECIPES = {"gpt": "transformer_lm_gpt_rdrop", "wiki103": "transformer_lm_wiki103_rdrop"}
 MODES = ("rdrop", "baseline")
 WIKI103_CUTOFF = (20000, 60000)  # the config's adaptive input / softmax cut-offs
@@ -57,16 +58,9 @@ def parse_args(argv):
     p.add_argument("--update-freq", type=int, default=env("UPDATE_FREQ"),
                    help="default: 16 gpt, 3 wiki103 (for 8 GPUs)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU")
-    overrides = []
-    if "--" in argv:  # after --: fairseq-hydra-train overrides, passed through
-        argv, overrides = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    a = p.parse_args(argv)
-    a.overrides = overrides
-    if a.mode not in MODES:  # argparse does not check a default ($MODE) against choices
-        p.error(f"--mode (or $MODE) must be one of {', '.join(MODES)}, not {a.mode!r}")
-    for name in ("data", "save_dir"):
-        if not getattr(a, name):
-            p.error(f"--{name.replace('_', '-')} (or ${name.upper()}) is required")
+    a = parse_with_overrides(p, argv)
+    overrides = a.overrides
+    check_common(p, a, MODES)
     dict_txt = Path(a.data) / "dict.txt"
     if not dict_txt.is_file():
         p.error(f"{a.data} is not a language-model data-bin (no dict.txt): run "
@@ -84,36 +78,17 @@ def parse_args(argv):
 
 
 def hydra_command(a):
-    save_dir = Path(a.save_dir).resolve()
-    cmd = [str(Path(sys.executable).parent / "fairseq-hydra-train"),
-           "--config-dir", str(REPO / "configs"), "--config-name", RECIPES[a.recipe],
-           f"common.user_dir={REPO / 'rdrop_fairseq'}", f"task.data={Path(a.data).resolve()}",
-           f"checkpoint.save_dir={save_dir}", f"hydra.run.dir={save_dir / 'hydra'}",
-           f"common.seed={a.seed}"]
-    alpha = a.alpha
-    if a.mode == "baseline":
-        if alpha not in (None, 0):
-            sys.exit(f"error: --alpha {alpha} contradicts --mode baseline (which has no KL)")
-        alpha = 0.0
+    cmd = base_command(RECIPES[a.recipe], a)
+    alpha = baseline_alpha(a.mode, a.alpha)
     if alpha is not None:
         cmd.append(f"criterion.rdrop_alpha={alpha}")
-    if a.max_tokens:
-        cmd.append(f"dataset.max_tokens={a.max_tokens}")
-    if a.max_update:
-        cmd.append(f"optimization.max_update={a.max_update}")
-    if a.update_freq:
-        cmd.append(f"optimization.update_freq=[{a.update_freq}]")
-    if a.cpu:
-        cmd.append("common.cpu=true")
+    cmd += optional_overrides(a.max_tokens, a.max_update, a.update_freq, a.cpu)
     return cmd + a.overrides
 
 
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    cmd = hydra_command(a)
-    print("[train] " + " ".join(cmd), flush=True)
-    Path(a.save_dir).mkdir(parents=True, exist_ok=True)
-    sys.exit(subprocess.call(cmd))
+    launch(hydra_command(a), a.save_dir)
 
 
 if __name__ == "__main__":

@@ -30,11 +30,12 @@ SEED, MAX_UPDATE, MAX_TOKENS, UPDATE_FREQ. fairseq uses every visible GPU
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_common import (REPO, base_command, baseline_alpha, check_common,  # noqa: E402
+                           launch, optional_overrides, parse_with_overrides)
 CONFIG = "bart_large_cnn_rdrop"
 MODES = ("rdrop", "baseline")
 PAPER_ALPHA = 0.7
@@ -66,16 +67,8 @@ def parse_args(argv):
     p.add_argument("--update-freq", type=int, default=env("UPDATE_FREQ"),
                    help="default: 16 (for 4 GPUs)")
     p.add_argument("--cpu", action="store_true", help="train on the CPU")
-    overrides = []
-    if "--" in argv:  # after --: fairseq-hydra-train overrides, passed through
-        argv, overrides = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    a = p.parse_args(argv)
-    a.overrides = overrides
-    if a.mode not in MODES:  # argparse does not check a default ($MODE) against choices
-        p.error(f"--mode (or $MODE) must be one of {', '.join(MODES)}, not {a.mode!r}")
-    for name in ("data", "save_dir"):
-        if not getattr(a, name):
-            p.error(f"--{name.replace('_', '-')} (or ${name.upper()}) is required")
+    a = parse_with_overrides(p, argv)
+    check_common(p, a, MODES)
     data = Path(a.data)
     if not all((data / f"dict.{side}.txt").is_file() for side in ("source", "target")):
         p.error(f"{a.data} is not a CNN/DM data-bin (no dict.source.txt / dict.target.txt): "
@@ -97,43 +90,24 @@ def parse_args(argv):
 
 
 def hydra_command(a):
-    save_dir = Path(a.save_dir).resolve()
     # fairseq-hydra-train with rdrop_fairseq/fairseq_fixes.py applied: fairseq 0.12 cannot
     # load a checkpoint (bart.large) into a BART built from a hydra config without it
-    cmd = [sys.executable, "-m", "rdrop_fairseq.fairseq_fixes",
-           "--config-dir", str(REPO / "configs"), "--config-name", CONFIG,
-           f"common.user_dir={REPO / 'rdrop_fairseq'}", f"task.data={Path(a.data).resolve()}",
-           f"checkpoint.save_dir={save_dir}", f"hydra.run.dir={save_dir / 'hydra'}",
-           f"common.seed={a.seed}"]
+    cmd = base_command(CONFIG, a, launcher=(sys.executable, "-m", "rdrop_fairseq.fairseq_fixes"))
     if a.resume:  # fairseq's default restore: SAVE_DIR/checkpoint_last.pt, nothing reset
         cmd += ["checkpoint.restore_file=checkpoint_last.pt", "checkpoint.reset_optimizer=false",
                 "checkpoint.reset_dataloader=false", "checkpoint.reset_meters=false"]
     else:
         cmd.append(f"checkpoint.restore_file={Path(a.bart_checkpoint).resolve()}")
-    alpha = a.alpha
-    if a.mode == "baseline":
-        if alpha not in (None, 0):
-            sys.exit(f"error: --alpha {alpha} contradicts --mode baseline (which has no KL)")
-        alpha = 0.0
+    alpha = baseline_alpha(a.mode, a.alpha)
     cmd.append(f"criterion.rdrop_alpha={PAPER_ALPHA if alpha is None else alpha}")
-    if a.max_tokens:
-        cmd.append(f"dataset.max_tokens={a.max_tokens}")
-    if a.max_update:
-        cmd.append(f"optimization.max_update={a.max_update}")
-    if a.update_freq:
-        cmd.append(f"optimization.update_freq=[{a.update_freq}]")
-    if a.cpu:
-        cmd.append("common.cpu=true")
+    cmd += optional_overrides(a.max_tokens, a.max_update, a.update_freq, a.cpu)
     return cmd + a.overrides
 
 
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    cmd = hydra_command(a)
-    print("[train] " + " ".join(cmd), flush=True)
-    Path(a.save_dir).mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    sys.exit(subprocess.call(cmd, env={**os.environ, "PYTHONPATH": path}))
+    launch(hydra_command(a), a.save_dir, env={**os.environ, "PYTHONPATH": path})
 
 
 if __name__ == "__main__":

@@ -24,11 +24,13 @@ keep GPUs x update-freq equal to the paper's (1 x 1 for iwslt, 8 x 16 for wmt14)
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipe_common import (base_command, baseline_alpha, check_common, launch,  # noqa: E402
+                           optional_overrides, parse_with_overrides)
+
 RECIPES = {"iwslt": "transformer_iwslt_de_en_rdrop", "wmt14": "transformer_wmt14_big_rdrop"}
 PAPER_MAX_TOKENS = 4096
 MODES = ("rdrop", "baseline", "no-kl", "doubled-batch")
@@ -54,16 +56,8 @@ def parse_args(argv):
     p.add_argument("--max-tokens", type=int, default=int(env("MAX_TOKENS", PAPER_MAX_TOKENS)))
     p.add_argument("--update-freq", type=int, default=env("UPDATE_FREQ"))
     p.add_argument("--cpu", action="store_true", help="train on the CPU")
-    overrides = []
-    if "--" in argv:  # after --: fairseq-hydra-train overrides, passed through
-        argv, overrides = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    a = p.parse_args(argv)
-    a.overrides = overrides
-    if a.mode not in MODES:  # argparse does not check a default taken from $MODE
-        p.error(f"MODE={a.mode!r}: choose one of {', '.join(MODES)}")
-    for name in ("data", "save_dir"):
-        if not getattr(a, name):
-            p.error(f"--{name.replace('_', '-')} (or ${name.upper()}) is required")
+    a = parse_with_overrides(p, argv)
+    check_common(p, a, MODES)
     if not (Path(a.data) / "dict.txt").exists() and not list(Path(a.data).glob("dict.*.txt")):
         p.error(f"{a.data} is not a fairseq data-bin (no dict.*.txt): run prepare_translation.py")
     return a
@@ -88,45 +82,24 @@ def data_overrides(data, src, tgt):
 
 
 def hydra_command(a):
-    user_dir = REPO / "rdrop_fairseq"
-    cmd = [str(Path(sys.executable).parent / "fairseq-hydra-train"),
-           "--config-dir", str(REPO / "configs"), "--config-name", RECIPES[a.recipe],
-           f"common.user_dir={user_dir}", f"task.data={Path(a.data).resolve()}",
-           f"checkpoint.save_dir={Path(a.save_dir).resolve()}",
-           f"hydra.run.dir={Path(a.save_dir).resolve() / 'hydra'}",
-           f"common.seed={a.seed}"]
+    cmd = base_command(RECIPES[a.recipe], a)
     if a.src:
         cmd.append(f"task.source_lang={a.src}")
     if a.tgt:
         cmd.append(f"task.target_lang={a.tgt}")
-    alpha = a.alpha
-    max_tokens = a.max_tokens
-    if a.mode != "rdrop":
-        if alpha not in (None, 0):
-            sys.exit(f"error: --alpha {alpha} contradicts --mode {a.mode} (which has no KL)")
-        alpha = 0.0
+    alpha = baseline_alpha(a.mode, a.alpha, without_kl=MODES[1:])
     if a.mode == "no-kl":
         cmd.append("criterion.rdrop_two_passes=true")
-    if a.mode == "doubled-batch":
-        max_tokens *= 2
     if alpha is not None:
         cmd.append(f"criterion.rdrop_alpha={alpha}")
-    cmd.append(f"dataset.max_tokens={max_tokens}")
-    if a.max_update:
-        cmd.append(f"optimization.max_update={a.max_update}")
-    if a.update_freq:
-        cmd.append(f"optimization.update_freq=[{a.update_freq}]")
-    if a.cpu:
-        cmd.append("common.cpu=true")
+    max_tokens = a.max_tokens * (2 if a.mode == "doubled-batch" else 1)
+    cmd += optional_overrides(max_tokens, a.max_update, a.update_freq, a.cpu)
     return cmd + data_overrides(a.data, a.src, a.tgt) + a.overrides
 
 
 def main(argv=None):
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    cmd = hydra_command(a)
-    print("[train] " + " ".join(cmd), flush=True)
-    Path(a.save_dir).mkdir(parents=True, exist_ok=True)
-    sys.exit(subprocess.call(cmd))
+    launch(hydra_command(a), a.save_dir)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def test_mode_from_the_environment_is_checked(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MODE", "rdorp")
     with pytest.raises(SystemExit):
         train_translation.parse_args(["iwslt", "--data", str(tmp_path), "--save-dir", "x"])
-    assert "MODE='rdorp': choose one of rdrop, baseline" in capsys.readouterr().err
+    assert "must be one of rdrop, baseline, no-kl, doubled-batch, not 'rdorp'" in \
+        capsys.readouterr().err
 
 
 def test_paper_metrics_per_recipe_and_pair():
