@@ -10,7 +10,6 @@ import math
 import random
 import re
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -22,6 +21,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import evaluate_glue  # noqa: E402
 import prepare_glue  # noqa: E402
 import train_glue  # noqa: E402
+from recipe_helpers import run  # noqa: E402
 
 BIN = Path(sys.executable).parent
 # roberta_base shrunk; the fine-tuning config's roberta_large values are overridden alike
@@ -34,15 +34,6 @@ ROWS = {"train": 24, "dev": 8, "test": 4}
 MNLI_LABELS = ("entailment", "neutral", "contradiction")
 
 
-def run(cmd, ok=True, env=None):
-    full_env = {"PATH": str(BIN), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-                "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
-                          env=full_env)
-    proc.output = proc.stdout + proc.stderr
-    if ok:
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
 
 
 # ------------------------------------------------------------------ stand-ins

@@ -6,7 +6,6 @@ import json
 import math
 import random
 import re
-import subprocess
 import sys
 import warnings
 import zipfile
@@ -19,6 +18,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import evaluate_lm  # noqa: E402
 import prepare_wikitext  # noqa: E402
 import train_lm  # noqa: E402
+from recipe_helpers import run  # noqa: E402
 
 TINY_MODEL = [f"model.decoder_{k}={v}" for k, v in (
     ("layers", 1), ("embed_dim", 32), ("input_dim", 32), ("output_dim", 32),
@@ -32,15 +32,6 @@ WORDS = ("the a of in and river city old new king war song team north south west
 ARTICLES = {"train": 40, "valid": 4, "test": 4}
 
 
-def run(cmd, ok=True, env=None):
-    full_env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1", "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
-                          env=full_env)
-    proc.output = proc.stdout + proc.stderr
-    if ok:
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
 
 
 def write_wikitext(root):

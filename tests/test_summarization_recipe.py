@@ -8,7 +8,6 @@ import json
 import math
 import random
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -21,6 +20,7 @@ sys.path.insert(0, str(REPO))
 import evaluate_summarization  # noqa: E402
 import prepare_cnndm  # noqa: E402
 import train_summarization  # noqa: E402
+from recipe_helpers import run  # noqa: E402
 
 TINY = {"encoder_layers": 1, "decoder_layers": 1, "encoder_embed_dim": 16,
         "decoder_embed_dim": 16, "encoder_ffn_embed_dim": 32, "decoder_ffn_embed_dim": 32,
@@ -39,15 +39,6 @@ MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("o",
           ("a", "r"), ("Ġ", "s")]
 
 
-def run(cmd, ok=True, env=None):
-    full_env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1", "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
-                          env=full_env)
-    proc.output = proc.stdout + proc.stderr
-    if ok:
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
 
 
 def write_corpus(raw):
