@@ -11,8 +11,9 @@ training saw them (<s> sentence1 </s> </s> sentence2 </s>) and predicted with dr
 Metrics (in %, as the paper's table 3): accuracy (SST-2, MNLI, QNLI, RTE), F1 and accuracy
 (MRPC, QQP; F1 of the positive class "1"), Matthews correlation (CoLA), Pearson and
 Spearman correlation (STS-B). MNLI: dev_matched and dev_mismatched. Prints one line per
-dev set and, with --json PATH, writes them. Environment variables: CHECKPOINT, DATA,
-GLUE_DIR, BPE_DIR, ENCODER_JSON, VOCAB_BPE.
+dev set and, with --json PATH, writes them. --split NAME scores GLUE_DIR/TASK/NAME.tsv
+instead: a labelled split in the dev layout (e.g. a held-out test split with labels).
+Environment variables: CHECKPOINT, DATA, GLUE_DIR, BPE_DIR, ENCODER_JSON, VOCAB_BPE.
 """
 
 import argparse
@@ -163,7 +164,7 @@ def evaluate(a):
                          f"{a.task} is {'regression' if not regression else 'classification'}")
     folder = prepare_glue.task_dir(a.glue_dir, a.task)
     results = {}
-    for split in dev_splits(a.task):
+    for split in a.split or dev_splits(a.task):
         rows = prepare_glue.read_split(a.task, folder, split)
         pred = predict(roberta, [inputs for inputs, _ in rows], regression, a.batch_size,
                        desc=f"{a.task} {split}")
@@ -197,6 +198,9 @@ def parse_args(argv):
                    help="a folder with encoder.json and vocab.bpe")
     p.add_argument("--encoder-json", default=env("ENCODER_JSON"))
     p.add_argument("--vocab-bpe", default=env("VOCAB_BPE"))
+    p.add_argument("--split", action="append", metavar="NAME",
+                   help="score GLUE_DIR/TASK/NAME.tsv (labelled, in the dev layout) instead "
+                        "of the dev set(s); repeatable")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per forward")
     p.add_argument("--cpu", action="store_true", help="even when a GPU is there")
     p.add_argument("--json", help="also write the metrics to this file")
@@ -223,6 +227,10 @@ def parse_args(argv):
             p.error(f"{flag}: {path} does not exist")
     if a.batch_size < 1:
         p.error("--batch-size must be >= 1")
+    for split in a.split or ():
+        if split.startswith("test"):  # read_split reads test* files as GLUE's, unlabelled
+            p.error(f"--split {split}: GLUE's test files have no labels; name a labelled "
+                    "split otherwise (e.g. heldout.tsv)")
     return a
 
 

@@ -18,6 +18,9 @@ Modes:
         [--mode baseline] [--alpha 0.5] [--seed 2] [--max-update N] [--update-freq 2]
     # anything after -- is passed to fairseq-hydra-train as overrides, e.g.
     python scripts/train_glue.py RTE ... -- common.fp16=true
+    # no pre-trained model: --from-scratch instead of --roberta-checkpoint (a randomly
+    # initialised model; give its size and learning rate as overrides)
+    python scripts/train_glue.py SST-2 --from-scratch ... -- model.encoder_layers=2 ...
 
 Every option has an environment variable: DATA, SAVE_DIR, ROBERTA_CHECKPOINT, MODE, ALPHA,
 SEED, MAX_UPDATE, UPDATE_FREQ. One GPU, as the paper (fairseq runs on every visible GPU:
@@ -93,6 +96,9 @@ def parse_args(argv):
                    help="the task's data-bin (scripts/prepare_glue.py's OUT/TASK-bin)")
     p.add_argument("--roberta-checkpoint", default=env("ROBERTA_CHECKPOINT"),
                    help="the pre-trained model to fine-tune (roberta.large/model.pt)")
+    p.add_argument("--from-scratch", action="store_true",
+                   help="no --roberta-checkpoint: train a randomly initialised model "
+                        "(resuming from SAVE_DIR/checkpoint_last.pt when there is one)")
     p.add_argument("--save-dir", default=env("SAVE_DIR"))
     p.add_argument("--mode", default=env("MODE", "rdrop"), help=" or ".join(MODES))
     p.add_argument("--alpha", type=float, default=env("ALPHA"),
@@ -115,10 +121,14 @@ def parse_args(argv):
         p.error(f"--alpha {a.alpha} contradicts --mode baseline (which has no R-Drop term)")
     if a.alpha is not None and not a.alpha >= 0:
         p.error(f"--alpha must be >= 0, not {a.alpha}")
-    for name in ("data", "roberta_checkpoint", "save_dir"):
+    if a.from_scratch and a.roberta_checkpoint:
+        p.error(f"--from-scratch contradicts --roberta-checkpoint {a.roberta_checkpoint} "
+                "(or $ROBERTA_CHECKPOINT)")
+    for name in ("data", "save_dir") + (() if a.from_scratch else ("roberta_checkpoint",)):
         if not getattr(a, name):
-            p.error(f"--{name.replace('_', '-')} (or ${name.upper()}) is required")
-    if not Path(a.roberta_checkpoint).is_file():
+            hint = " (or --from-scratch)" if name == "roberta_checkpoint" else ""
+            p.error(f"--{name.replace('_', '-')} (or ${name.upper()}) is required{hint}")
+    if not a.from_scratch and not Path(a.roberta_checkpoint).is_file():
         p.error(f"--roberta-checkpoint {a.roberta_checkpoint} does not exist (download and "
                 "unpack roberta.large: docs/glue.md)")
     if a.max_update is not None and a.max_update < 1:
@@ -161,8 +171,13 @@ def hydra_command(a):
     s = TASKS[a.task]
     max_update = a.max_update or s.max_update
     alpha = 0.0 if a.mode == "baseline" else (s.alpha if a.alpha is None else a.alpha)
-    cmd = base_command(CONFIG, a) + [
-           f"checkpoint.restore_file={Path(a.roberta_checkpoint).resolve()}",
+    if a.from_scratch:  # fairseq's default: resume SAVE_DIR/checkpoint_last.pt, if any
+        restore = ["checkpoint.restore_file=checkpoint_last.pt",
+                   "checkpoint.reset_optimizer=false", "checkpoint.reset_dataloader=false",
+                   "checkpoint.reset_meters=false"]
+    else:
+        restore = [f"checkpoint.restore_file={Path(a.roberta_checkpoint).resolve()}"]
+    cmd = base_command(CONFIG, a) + restore + [
            f"task.num_classes={s.num_classes}",
            f"criterion.rdrop_alpha={alpha}",
            f"criterion.regression_target={str(s.regression).lower()}",

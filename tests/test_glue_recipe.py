@@ -291,6 +291,8 @@ def test_evaluate_command_line_errors(glue, tmp_path, capsys):
          "encoder.json does not exist"),
         (["RTE", "--checkpoint", str(ckpt), "--data", str(tmp_path), "--glue-dir",
           str(glue["glue_dir"])], "is not a GLUE data-bin (no input0/dict.txt)"),
+        (["RTE", "--checkpoint", str(ckpt), *base, "--bpe-dir", str(glue["bpe"]), "--split",
+          "test"], "--split test: GLUE's test files have no labels"),
     ]:
         with pytest.raises(SystemExit):
             evaluate_glue.parse_args(argv)
@@ -367,6 +369,17 @@ def test_baseline_mode_is_fairseqs_sentence_prediction(glue, tmp_path):
     inner = stats(log, "train_inner")
     assert len(inner) == 2 and all("rdrop_kl" not in line and "loss" in line for line in inner)
     assert (tmp_path / "ckpt" / "checkpoint_best.pt").is_file()
+    # --split scores other labelled files in the dev layout: here a copy of dev.tsv
+    folder = tmp_path / "RTE"
+    shutil.copytree(glue["glue_dir"] / "RTE", folder)
+    shutil.copy(folder / "dev.tsv", folder / "heldout.tsv")
+    run([sys.executable, REPO / "scripts" / "evaluate_glue.py", "RTE", "--cpu",
+         "--checkpoint", tmp_path / "ckpt" / "checkpoint_best.pt", "--data",
+         glue["bin"] / "RTE-bin", "--glue-dir", folder, "--bpe-dir", glue["bpe"],
+         "--split", "heldout", "--split", "dev", "--json", tmp_path / "m.json"])
+    results = json.loads((tmp_path / "m.json").read_text())["metrics"]
+    assert list(results) == ["heldout", "dev"] and results["heldout"] == results["dev"]
+    assert results["dev"]["examples"] == len(glue["data"]["RTE"]["dev"])
 
 
 # ------------------------------------------------------------------ the paper's settings
@@ -553,6 +566,27 @@ def test_train_validates_its_input(tmp_path, capsys, monkeypatch):
                                "--roberta-checkpoint", str(tmp_path / "missing.pt"),
                                "--save-dir", str(tmp_path)])
     assert "missing.pt does not exist" in capsys.readouterr().err
+
+
+def test_train_from_scratch_needs_no_checkpoint(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("ROBERTA_CHECKPOINT", raising=False)
+    command(tmp_path, "SST-2")  # writes the SST-2 data-bin stand-in
+    argv = ["SST-2", "--data", str(tmp_path / "SST-2-bin"), "--save-dir", str(tmp_path / "s")]
+    o = overrides_of(train_glue.hydra_command(train_glue.parse_args(argv + ["--from-scratch"])))
+    # fairseq's default restore: SAVE_DIR/checkpoint_last.pt when it exists (a resumed run,
+    # nothing reset), else a random initialisation
+    assert [o[f"checkpoint.{k}"] for k in ("restore_file", "reset_optimizer",
+                                           "reset_dataloader", "reset_meters")] == [
+        "checkpoint_last.pt", "false", "false", "false"]
+    assert o["task.num_classes"] == "2" and o["criterion.rdrop_alpha"] == "1.0"
+    for args, message in [
+        ((), "--roberta-checkpoint (or $ROBERTA_CHECKPOINT) is required (or --from-scratch)"),
+        (("--from-scratch", "--roberta-checkpoint", "x.pt"),
+         "--from-scratch contradicts --roberta-checkpoint x.pt"),
+    ]:
+        with pytest.raises(SystemExit):
+            train_glue.parse_args(argv + list(args))
+        assert message in capsys.readouterr().err, args
 
 
 # ------------------------------------------------------------------ metrics
