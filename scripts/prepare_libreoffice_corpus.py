@@ -36,10 +36,11 @@ MAX_WORDS = 80
 
 
 class _SegmentParser(html.parser.HTMLParser):
-    """Collects the text of every element whose id is a par_id / hd_id."""
+    """Collects the text of every element whose id matches ``id_pattern`` (par_id / hd_id)."""
 
-    def __init__(self):
+    def __init__(self, id_pattern=ID_PATTERN):
         super().__init__(convert_charrefs=True)
+        self.id_pattern = id_pattern
         self.segments = {}
         self._stack = []  # [tag, id or None, text parts] for open elements
 
@@ -49,7 +50,7 @@ class _SegmentParser(html.parser.HTMLParser):
                 self.handle_data(" ")
             return
         segment_id = dict(attrs).get("id")
-        if segment_id and not ID_PATTERN.match(segment_id):
+        if segment_id and not self.id_pattern.match(segment_id):
             segment_id = None
         self._stack.append([tag, segment_id, []])
 
@@ -77,8 +78,9 @@ def normalize(text):
     return " ".join(text.split())
 
 
-def page_segments(path):
-    parser = _SegmentParser()
+def page_segments(path, id_pattern=ID_PATTERN):
+    """``{id: text}`` of a help page's segments, in the order their elements close."""
+    parser = _SegmentParser(id_pattern)
     parser.feed(Path(path).read_text(encoding="utf-8", errors="replace"))
     parser.close()
     return parser.segments
