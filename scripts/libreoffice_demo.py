@@ -5,18 +5,20 @@
    pairs of at most 15 words a side, 6000 of them for training, and prepares it
    (sacremoses, joint BPE, fairseq-preprocess).
 2. Trains a small transformer_iwslt_de_en (2+2 layers, 192 dim) three ways for the same
-   number of epochs, for each seed, two runs at a time (one CPU thread each): the
-   baseline, the baseline with a doubled batch (appendix C.1: R-Drop's compute without
-   its KL) and R-Drop, streaming each epoch's validation BLEU.
-3. Scores each run's best checkpoint on the test set (beam 5, tokenized BLEU) and prints a
-   table (mean and standard deviation over seeds); plots the validation curves to a PNG
-   (like the paper's appendix figure 3) and writes everything to OUT/results.json.
+   number of epochs, two runs at a time (one CPU thread each, the R-Drop runs first
+   because they take twice as long): the baseline and R-Drop for each seed (1, 2, 3), and
+   for the first seed the baseline with a doubled batch (appendix C.1: R-Drop's compute
+   without its KL), streaming each epoch's validation BLEU.
+3. Averages each run's last 5 epoch checkpoints and scores the average on the test set
+   (beam 5, tokenized BLEU); prints a table (mean and standard deviation over seeds), plots
+   the validation curves to a PNG (like the paper's appendix figure 3) and writes
+   everything to OUT/results.json.
 
-R-Drop's alpha here is 1, not the paper's 5 for translation: with this small model and
-35 epochs, alpha 5 learns too slowly to finish (docs/results.md has the measured curves).
+R-Drop's alpha here is 1, not the paper's 5 for translation: with this small model and a
+CPU budget of epochs, alpha 5 learns too slowly to finish (docs/results.md has the curves).
 
-    python scripts/libreoffice_demo.py --out work/lo-demo --seeds 1 2 3
-    python scripts/libreoffice_demo.py --quick     # a few minutes: small subset and model
+    python scripts/libreoffice_demo.py --out work/lo-demo [--seeds 1 2 3 --control-seeds 1]
+    python scripts/libreoffice_demo.py --quick     # a few minutes: small model, one seed
 """
 
 import argparse
@@ -29,26 +31,31 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(SCRIPTS))
 from prepare_translation import export_libreoffice  # noqa: E402
 from evaluate_translation import generate_and_score  # noqa: E402
+from average_checkpoints import average, last_checkpoints  # noqa: E402
 
 RUNS = {
     "baseline": ["--criterion", "label_smoothed_cross_entropy"],
     "doubled batch": ["--criterion", "label_smoothed_cross_entropy", "DOUBLE_TOKENS"],
     "R-Drop": ["--criterion", "label_smoothed_cross_entropy_rdrop", "--rdrop-alpha", "ALPHA"],
 }
+CONTROL = "doubled batch"  # the equal-compute control, run for fewer seeds by default
+RUN_COST = {"R-Drop": 2}  # relative time per epoch, to start the longest runs first
 SIZES = {  # training pairs, valid/test pairs (None: all), pairs of at most max_words words,
-    # BPE merges, model, batch, schedule, R-Drop alpha, epochs
+    # BPE merges, model, batch, schedule, R-Drop alpha, epochs, epoch checkpoints averaged
     "full": dict(pairs=6000, valid_pairs=300, test_pairs=None, max_words=15, merges=3000,
-                 layers=2, dim=192, ffn=768, tokens=2048, lr=2e-3, warmup=400, alpha=1,
-                 epochs=35),
-    "quick": dict(pairs=2000, valid_pairs=300, test_pairs=300, max_words=15, merges=1000,
-                  layers=1, dim=128, ffn=512, tokens=2048, lr=2e-3, warmup=400, alpha=1,
-                  epochs=6),
+                 layers=2, dim=192, ffn=768, tokens=1024, lr=2e-3, warmup=400, alpha=1,
+                 epochs=30, average=5),
+    "quick": dict(pairs=6000, valid_pairs=300, test_pairs=300, max_words=15, merges=3000,
+                  layers=1, dim=128, ffn=512, tokens=1024, lr=2e-3, warmup=400, alpha=1,
+                  epochs=8, average=2),
 }
 
 
@@ -56,9 +63,14 @@ def prepare(out, size):
     raw = out / "raw"
     export_libreoffice(raw, train_pairs=size["pairs"], valid_pairs=size["valid_pairs"],
                        test_pairs=size["test_pairs"], max_words=size.get("max_words"))
-    subprocess.run([sys.executable, str(SCRIPTS / "prepare_translation.py"), "--raw", str(raw),
-                    "--out", str(out), "--bpe-merges", str(size["merges"])],
-                   check=True, stdout=subprocess.DEVNULL)
+    log = out / "prepare.log"
+    with open(log, "w") as handle:
+        done = subprocess.run([sys.executable, str(SCRIPTS / "prepare_translation.py"),
+                               "--raw", str(raw), "--out", str(out),
+                               "--bpe-merges", str(size["merges"])],
+                              stdout=handle, stderr=subprocess.STDOUT)
+    if done.returncode:
+        sys.exit(f"error: preparing the data failed, see {log}")
     return out / "bin"
 
 
@@ -82,7 +94,8 @@ def train_command(data, save_dir, run, seed, size):
         "--eval-bleu", "--eval-bleu-args", '{"beam": 1, "max_len_a": 1.2, "max_len_b": 10}',
         "--eval-bleu-detok", "space", "--eval-bleu-remove-bpe",
         "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
-        "--no-epoch-checkpoints", "--save-dir", str(save_dir),
+        "--keep-last-epochs", str(size["average"]), "--no-save-optimizer-state",
+        "--save-dir", str(save_dir),
         "--log-format", "simple", "--log-interval", "1000", "--no-progress-bar",
     ]
 
@@ -120,6 +133,11 @@ def valid_curve(log):
 
 
 def plot(curves, path):
+    import logging
+
+    # importing fairseq (through the plugin) sets the root logger to DEBUG; quiet matplotlib
+    # before its import logs
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,7 +148,8 @@ def plot(curves, path):
     for run, per_seed in curves.items():
         epochs = min(len(c) for c in per_seed)
         mean = [statistics.mean(c[e] for c in per_seed) for e in range(epochs)]
-        ax.plot(range(1, epochs + 1), mean, marker=".", label=f"{run} ({len(per_seed)} seeds)")
+        seeds = f"{len(per_seed)} seed{'s' if len(per_seed) > 1 else ''}"
+        ax.plot(range(1, epochs + 1), mean, marker=".", label=f"{run} ({seeds})")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("epoch")
     ax.set_ylabel("validation BLEU (greedy)")
@@ -144,9 +163,13 @@ def plot(curves, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("work/libreoffice-demo"))
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--seeds", type=int, nargs="+",
+                   help="seeds of the baseline and R-Drop runs (default: 1 2 3; --quick: 1)")
+    p.add_argument("--control-seeds", type=int, nargs="+",
+                   help="seeds of the doubled-batch control (default: the first seed)")
     p.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
-    p.add_argument("--quick", action="store_true", help="small subset and model, 6 epochs")
+    p.add_argument("--quick", action="store_true",
+                   help="a few minutes: a 1+1-layer model, 8 epochs, one seed")
     p.add_argument("--epochs", type=int, help="override the number of epochs")
     p.add_argument("--train-pairs", type=int, help="override the training subset size")
     p.add_argument("--alpha", type=float, help="override R-Drop's alpha")
@@ -155,6 +178,8 @@ def main(argv=None):
                    help="runs at a time (one thread each)")
     a = p.parse_args(argv)
     size = dict(SIZES["quick" if a.quick else "full"])
+    a.seeds = a.seeds or ([1] if a.quick else [1, 2, 3])
+    a.control_seeds = a.control_seeds or a.seeds[:1]
     if a.epochs:
         size["epochs"] = a.epochs
     if a.train_pairs:
@@ -163,13 +188,14 @@ def main(argv=None):
         size["alpha"] = a.alpha
     if a.eval_pairs:
         size["valid_pairs"] = size["test_pairs"] = a.eval_pairs
+    size["average"] = min(size["average"], size["epochs"])
     a.out.mkdir(parents=True, exist_ok=True)
     print(f"[demo] preparing {size['pairs']} training pairs of the LibreOffice help corpus",
           flush=True)
     data = prepare(a.out / "data", size)
     jobs = []
-    for seed in a.seeds:
-        for run in a.runs:
+    for run in sorted(a.runs, key=lambda r: -RUN_COST.get(r, 1)):
+        for seed in (a.control_seeds if run == CONTROL else a.seeds):
             save = a.out / f"{re.sub(r'[^a-z]+', '_', run.lower())}_seed{seed}"
             jobs.append((f"{run} s{seed}", train_command(data, save, run, seed, size),
                          save.with_suffix(".log")))
@@ -178,9 +204,12 @@ def main(argv=None):
     run_all(jobs, a.parallel)
 
     results = {}
-    for (name, _, log) in jobs:
+    for (name, _, log) in sorted(jobs, key=lambda job: a.runs.index(job[0].rsplit(" s", 1)[0])):
         run, seed = name.rsplit(" s", 1)
-        checkpoint = log.with_suffix("") / "checkpoint_best.pt"
+        save_dir = log.with_suffix("")
+        checkpoint = save_dir / f"checkpoint_avg{size['average']}.pt"
+        torch.save(average(last_checkpoints(save_dir, size["average"], r"checkpoint(\d+)\.pt")),
+                   checkpoint)
         _, bleu, _ = generate_and_score(data, checkpoint, log.with_suffix(".test.txt"),
                                         batch_size=64, cpu=True, quiet=True)
         entry = results.setdefault(run, {"seeds": [], "test_bleu": [], "valid_curves": []})
@@ -194,9 +223,15 @@ def main(argv=None):
     print("|---|---|---|")
     for run, r in results.items():
         scores = r["test_bleu"]
-        spread = statistics.stdev(scores) if len(scores) > 1 else 0.0
-        print(f"| {run} | {statistics.mean(scores):.2f} ± {spread:.2f} | "
+        spread = f"{statistics.stdev(scores):.2f}" if len(scores) > 1 else "– (1 seed)"
+        print(f"| {run} | {statistics.mean(scores):.2f} ± {spread} | "
               f"{', '.join(f'{s:.2f}' for s in scores)} |")
+    if {"baseline", "R-Drop"} <= results.keys() and len(a.seeds) > 1:
+        base, rdrop = results["baseline"]["test_bleu"], results["R-Drop"]["test_bleu"]
+        gain = statistics.mean(rdrop) - statistics.mean(base)
+        larger = gain > max(statistics.stdev(base), statistics.stdev(rdrop))
+        print(f"\nR-Drop - baseline: {gain:+.2f} BLEU, "
+              f"{'larger' if larger else 'not larger'} than either run's seed spread (std)")
     print(f"\nplot: {a.out / 'valid_bleu.png'}; results: {a.out / 'results.json'}")
 
 
