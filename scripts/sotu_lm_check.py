@@ -41,6 +41,7 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 from prepare_sotu import SOTU_URL  # noqa: E402
+from recipe_common import parse_with_overrides  # noqa: E402
 
 SINCE = 1985  # 29 training addresses: 173k words
 MODES = ("baseline", "rdrop")
@@ -160,11 +161,7 @@ def parse_args(argv):
                         "(default: %(default)s)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (default: %(default)s)")
     p.add_argument("--json", help="default: WORK/results.json")
-    overrides = []
-    if "--" in argv:
-        argv, overrides = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    a = p.parse_args(argv)
-    a.overrides = overrides
+    a = parse_with_overrides(p, argv)
     if not a.work:
         p.error("--work (or $WORK) is required")
     if a.jobs < 1 or a.max_epoch < 1 or a.patience < 1:
