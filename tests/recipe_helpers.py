@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a download fails at once
+OFFLINE = {"http_proxy": DEAD_PROXY, "https_proxy": DEAD_PROXY, "HTTPS_PROXY": DEAD_PROXY,
+           "HTTP_PROXY": DEAD_PROXY, "no_proxy": ""}  # env for run(): no network
+
 
 def run(cmd, ok=True, env=None):
     """Run a recipe script or fairseq tool on one thread with the test environment's tools

@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import evaluate_lm  # noqa: E402
 import prepare_wikitext  # noqa: E402
 import train_lm  # noqa: E402
-from recipe_helpers import run  # noqa: E402
+from recipe_helpers import OFFLINE, run  # noqa: E402
 
 TINY_MODEL = [f"model.decoder_{k}={v}" for k, v in (
     ("layers", 1), ("embed_dim", 32), ("input_dim", 32), ("output_dim", 32),
@@ -94,10 +94,8 @@ def test_prepare_finds_the_files_in_a_directory(tmp_path):
 def test_prepare_offline_says_to_pass_a_local_path(tmp_path):
     """The default source is the download; with no network (here: a proxy that refuses every
     connection) it fails at once, saying to pass the local zip or directory."""
-    dead = "http://127.0.0.1:9"
     proc = run([sys.executable, REPO / "scripts" / "prepare_wikitext.py", "--out", tmp_path],
-               ok=False, env={"http_proxy": dead, "https_proxy": dead, "HTTPS_PROXY": dead,
-                              "HTTP_PROXY": dead, "no_proxy": ""})
+               ok=False, env=OFFLINE)
     assert proc.returncode != 0
     assert f"cannot download {prepare_wikitext.WIKITEXT103_URL}" in proc.stderr, proc.output
     assert "Offline?" in proc.stderr and "--source PATH" in proc.stderr

@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import prepare_sotu  # noqa: E402
-from recipe_helpers import run  # noqa: E402
+from recipe_helpers import OFFLINE, run  # noqa: E402
 from test_lm_recipe import FAST, TINY_MODEL  # noqa: E402
 
 # 12 addresses; in year order (1953 has two) the 9th (index 8) is valid, the 10th test
@@ -169,10 +169,8 @@ def test_trains_and_evaluates_on_the_data_bin(sotu, tmp_path):
 # ----------------------------------------------------------------------------- errors
 
 def test_offline_download_names_the_url_and_source(tmp_path):
-    dead = "http://127.0.0.1:9"  # a proxy that refuses every connection: no network
     proc = run([sys.executable, REPO / "scripts" / "prepare_sotu.py", "--out", tmp_path],
-               ok=False, env={"http_proxy": dead, "https_proxy": dead, "HTTPS_PROXY": dead,
-                              "HTTP_PROXY": dead, "no_proxy": ""})
+               ok=False, env=OFFLINE)
     assert proc.returncode != 0
     assert f"cannot download {prepare_sotu.SOTU_URL}" in proc.stderr, proc.output
     assert "Offline?" in proc.stderr and "--source PATH" in proc.stderr
