@@ -42,6 +42,8 @@ from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 REPO = SCRIPTS.parent
+sys.path.insert(0, str(SCRIPTS))
+from prepare_libreoffice_summaries import add_source_options  # noqa: E402
 MODES = {"baseline": [], "R-Drop": ["--alpha", "0.7"]}  # train_summarization.py --mode/--alpha
 MODE_ARGS = {"baseline": "baseline", "R-Drop": "rdrop"}
 MODEL = {"encoder_layers": 2, "decoder_layers": 2, "encoder_embed_dim": 128,
@@ -202,9 +204,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--deb", help="the libreoffice-help-en-us .deb file")
-    src.add_argument("--help-root", help="a directory holding the en-US/ help tree")
+    add_source_options(p)
     p.add_argument("--work", type=Path, required=True, help="where everything is written")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))

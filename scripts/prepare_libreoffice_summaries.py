@@ -172,13 +172,18 @@ def prepare(help_root, out, vocab_size=8000, max_article_words=400, sources=()):
     return stats
 
 
+def add_source_options(p):
+    """--deb or --help-root: where the English help pages come from (also for the check)."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--deb", help="the libreoffice-help-en-us .deb file")
+    src.add_argument("--help-root", help="a directory holding the en-US/ help tree")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--deb", help="the libreoffice-help-en-us .deb file")
-    src.add_argument("--help-root", help="a directory holding the en-US/ help tree")
+    add_source_options(p)
     p.add_argument("--out", required=True)
     p.add_argument("--vocab-size", type=int, default=8000, help="BPE vocabulary (with the "
                    "256 byte symbols)")
