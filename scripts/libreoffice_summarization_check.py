@@ -5,7 +5,9 @@ help pages (article -> its description), over seeds.
 1. scripts/prepare_libreoffice_summaries.py: pages -> RAW/{train,val,test}.{source,target}
    (articles cut to --max-article-words, 40 by default, to fit a CPU budget), a GPT-2-format
    byte-level BPE and a gpt2-style dict.txt learnt on the train split;
-   then scripts/prepare_cnndm.py: GPT-2 BPE + fairseq-preprocess with that dict.
+   then scripts/prepare_cnndm.py --prepend-bos: GPT-2 BPE + fairseq-preprocess with that
+   dict, every line after <s>, as the BART hub interface feeds the model at inference (a
+   model trained from scratch must see it in training; bart.large saw it in pre-training).
 2. A small BART (MODEL: 2+2 layers, 128 dim by default), randomly initialised once per seed
    and saved like bart.large (there is no pre-trained BART offline): both modes of a seed
    start from the same weights.
@@ -77,7 +79,8 @@ def prepare(a, work):
     if not (data / "bin" / "dict.source.txt").is_file():
         run([sys.executable, SCRIPTS / "prepare_cnndm.py", "--raw", data / "raw",
              "--out", data, "--encoder-json", data / "gpt2_bpe" / "encoder.json",
-             "--vocab-bpe", data / "gpt2_bpe" / "vocab.bpe", "--dict", data / "dict.txt"],
+             "--vocab-bpe", data / "gpt2_bpe" / "vocab.bpe", "--dict", data / "dict.txt",
+             "--prepend-bos"],
             work / "prepare_cnndm.log")
     return data
 
@@ -208,10 +211,10 @@ def parse_args(argv=None):
     p.add_argument("--work", type=Path, required=True, help="where everything is written")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    p.add_argument("--max-epoch", type=int, default=12)
-    p.add_argument("--patience", type=int, default=2,
+    p.add_argument("--max-epoch", type=int, default=30)
+    p.add_argument("--patience", type=int, default=3,
                    help="stop a run after this many epochs without a better validation loss")
-    p.add_argument("--max-update", type=int, default=1500,
+    p.add_argument("--max-update", type=int, default=3200,
                    help="the learning rate decays linearly to 0 over this many updates")
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--vocab-size", type=int, default=4000)

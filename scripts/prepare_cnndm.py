@@ -10,8 +10,16 @@ What fairseq's examples/bart/README.summarization.md does, with every file local
 * GPT-2 byte-level BPE of every line (stripped; an empty line stays empty, like fairseq's
   ``multiprocessing_bpe_encoder --keep-empty``) with the ``encoder.json`` / ``vocab.bpe``
   given, into ``OUT/bpe/{split}.bpe.{source,target}`` (BPE ids separated by spaces);
+* with ``--prepend-bos``, ``<s>`` before every line's ids (see below);
 * ``fairseq-preprocess --source-lang source --target-lang target --srcdict DICT --tgtdict
   DICT`` with the ``dict.txt`` of the BART checkpoint, into ``OUT/bin``.
+
+``--prepend-bos`` is for a BART trained from scratch. fairseq's BART hub interface, which
+evaluate_summarization.py decodes with, puts ``<s>`` before every article and forces ``<s>``
+as the first summary token, as in BART's pre-training data. bart.large has seen that; a
+model trained from scratch on data without ``<s>`` has not, and decodes from tokens it never
+saw. Fine-tuning bart.large keeps the default (no ``<s>``), as fairseq's README and the
+paper do.
 
 Nothing is downloaded: fetch encoder.json, vocab.bpe and dict.txt (fairseq's gpt2_bpe files)
 and bart.large yourself (docs/summarization.md).
@@ -35,22 +43,26 @@ REQUIRED_SPLITS = ("train", "val")
 SIDES = ("source", "target")
 
 _encoder = None  # one GPT-2 encoder per worker process
+_prefix = ""  # "<s> " with --prepend-bos
 
 
-def _init_encoder(encoder_json, vocab_bpe):
-    global _encoder
+def _init_encoder(encoder_json, vocab_bpe, prefix=""):
+    global _encoder, _prefix
     from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
 
-    _encoder = get_encoder(encoder_json, vocab_bpe)
+    _encoder, _prefix = get_encoder(encoder_json, vocab_bpe), prefix
 
 
 def _encode(line):
     line = line.strip()
-    return " ".join(map(str, _encoder.encode(line))) if line else ""
+    return (_prefix + " ".join(map(str, _encoder.encode(line)))).strip()
 
 
-def bpe_encode_file(src, dest, encoder_json, vocab_bpe, workers=1):
-    """GPT-2 BPE ids of every line of ``src`` into ``dest`` (streamed). Returns the count."""
+def bpe_encode_file(src, dest, encoder_json, vocab_bpe, workers=1, prepend_bos=False):
+    """GPT-2 BPE ids of every line of ``src`` into ``dest`` (streamed), each line after
+    ``<s>`` if ``prepend_bos`` (fairseq-preprocess maps it to the dictionary's bos).
+    Returns the count."""
+    init_args = (encoder_json, vocab_bpe, "<s> " if prepend_bos else "")
     dest.parent.mkdir(parents=True, exist_ok=True)
     n = 0
     # newline="\n": a line ends at "\n" only (a stray "\r" inside an article must not split
@@ -58,11 +70,11 @@ def bpe_encode_file(src, dest, encoder_json, vocab_bpe, workers=1):
     with open(src, encoding="utf-8", newline="\n") as fin, \
             open(dest, "w", encoding="utf-8") as fout:
         if workers <= 1:
-            _init_encoder(encoder_json, vocab_bpe)
+            _init_encoder(*init_args)
             encoded = map(_encode, fin)
             pool = None
         else:
-            pool = multiprocessing.Pool(workers, _init_encoder, (encoder_json, vocab_bpe))
+            pool = multiprocessing.Pool(workers, _init_encoder, init_args)
             encoded = pool.imap(_encode, fin, chunksize=256)
         try:
             for n, ids in enumerate(encoded, 1):
@@ -141,6 +153,9 @@ def parse_args(argv=None):
     p.add_argument("--dict", default=env("BART_DICT"),
                    help="the dict.txt of the BART checkpoint (bart.large/dict.txt)")
     p.add_argument("--workers", type=int, default=int(env("WORKERS", 1)))
+    p.add_argument("--prepend-bos", action="store_true",
+                   help="start every article and summary with <s>, as the BART hub interface "
+                        "does at inference: for a model trained from scratch (not bart.large)")
     a = p.parse_args(argv)
     if not a.out:
         p.error("--out (or $OUT) is required")
@@ -156,7 +171,7 @@ def main(argv=None):
     for split in splits:
         for side in SIDES:
             n = bpe_encode_file(raw / f"{split}.{side}", out / "bpe" / f"{split}.bpe.{side}",
-                                a.encoder_json, a.vocab_bpe, a.workers)
+                                a.encoder_json, a.vocab_bpe, a.workers, a.prepend_bos)
             print(f"[prepare] {split}.{side}: {n} lines GPT-2 BPE encoded", flush=True)
     binarize(out / "bpe", out / "bin", a.dict, splits, a.workers)
     print(f"[prepare] data-bin: {out / 'bin'}", flush=True)

@@ -283,6 +283,39 @@ def test_evaluate_summarises_every_test_article_and_scores_rouge(finetuned, reci
     assert json.loads((tmp_path / "plain.json").read_text())["stemmed"] is False
 
 
+def test_prepend_bos_data_is_what_the_hub_interface_feeds_the_model(finetuned, recipe,
+                                                                     tmp_path):
+    """--prepend-bos (for models trained from scratch): every binarized article is the
+    hub interface's encoding of it (<s> ... </s>), every summary starts with <s>, the token
+    the hub forces first; without it the data lacks exactly that <s>."""
+    from fairseq.data import data_utils
+
+    save, _ = finetuned
+    root = recipe["root"]
+    run([sys.executable, REPO / "scripts" / "prepare_cnndm.py", "--raw", root / "cnn_dm",
+         "--out", tmp_path, "--encoder-json", recipe["encoder_json"], "--vocab-bpe",
+         recipe["vocab_bpe"], "--dict", recipe["bart"].parent / "dict.txt", "--prepend-bos"])
+    bart = evaluate_summarization.load_bart(save / "checkpoint_best.pt", recipe["bin"],
+                                            recipe["encoder_json"], recipe["vocab_bpe"],
+                                            cpu=True)
+    bos = bart.task.source_dictionary.bos()
+    sources, targets = recipe["corpus"]["test"]
+
+    def dataset(data_bin, side):
+        return data_utils.load_indexed_dataset(str(data_bin / f"test.source-target.{side}"),
+                                               bart.task.source_dictionary)
+
+    with_bos, plain = dataset(tmp_path / "bin", "source"), dataset(recipe["bin"], "source")
+    assert len(with_bos) == len(sources)
+    for i, article in enumerate(sources):
+        assert with_bos[i].tolist() == bart.encode(article).tolist()
+        assert with_bos[i].tolist() == [bos] + plain[i].tolist()
+    with_bos, plain = dataset(tmp_path / "bin", "target"), dataset(recipe["bin"], "target")
+    for i in range(len(targets)):
+        assert with_bos[i].tolist() == [bos] + plain[i].tolist()
+        assert bart.decode(with_bos[i]) == targets[i].strip()  # decode drops the <s>
+
+
 # ----------------------------------------------------------------------------- ROUGE
 
 def test_rouge_is_rouge_score_f1_stemmed_with_summary_level_rouge_l():
