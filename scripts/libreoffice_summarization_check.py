@@ -85,9 +85,11 @@ def prepare(a, work):
     return data
 
 
-def write_random_bart(path, dict_txt, model, seed):
-    """A randomly initialised bart_base with ``model``'s sizes, saved like bart.large
-    (fairseq's denoising task adds <mask> to the dictionary, as bart.large has it)."""
+def write_random_bart(path, dict_txt, model, seed, num_updates=0, epoch=1):
+    """A randomly initialised bart_base with ``model``'s sizes, saved like bart.large: a
+    checkpoint with its args, built by fairseq's denoising task (which adds <mask> to the
+    dictionary, so the embeddings have one row more than dict.txt plus the specials, as
+    bart.large's), recording ``num_updates`` and ``epoch`` as a pre-training run would."""
     import shutil
 
     import torch
@@ -103,8 +105,9 @@ def write_random_bart(path, dict_txt, model, seed):
     state = {"args": args, "model": task.build_model(args).state_dict(),
              "optimizer_history": [{"criterion_name": "CrossEntropyCriterion",
                                     "optimizer_name": "FairseqAdam",
-                                    "lr_scheduler_state": {"best": None}, "num_updates": 0}],
-             "extra_state": {"train_iterator": {"epoch": 1}}, "last_optimizer_state": None}
+                                    "lr_scheduler_state": {"best": None},
+                                    "num_updates": num_updates}],
+             "extra_state": {"train_iterator": {"epoch": epoch}}, "last_optimizer_state": None}
     torch.save(state, path)
     return path
 

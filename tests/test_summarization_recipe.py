@@ -90,32 +90,18 @@ def write_bart_dict(path, encoder_json, vocab_bpe, text):
 
 
 def write_tiny_bart(root, dict_txt):
-    """A randomly initialised bart_base shrunk to TINY, built by fairseq's denoising task
-    (which adds <mask> to the dictionary, so the embeddings have one row more than dict.txt
-    plus the specials, as bart.large's) and saved as a fairseq checkpoint with its args,
-    like bart.large/model.pt. Returns the checkpoint path."""
-    import shutil
-
+    """libreoffice_summarization_check.write_random_bart shrunk to TINY, as if pre-trained
+    for 500 updates (fine-tuning must start from 0). Returns the checkpoint path and its
+    number of embedding rows."""
     import torch
-    from fairseq import options, tasks
 
     import rdrop_fairseq  # noqa: F401
+    from libreoffice_summarization_check import write_random_bart
 
-    root.mkdir(parents=True, exist_ok=True)
-    shutil.copy(dict_txt, root / "dict.txt")
-    arch = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(root), "--task", "denoising", "--arch", "bart_base", *arch])
-    task = tasks.setup_task(args)
-    model = task.build_model(args)
-    state = {"args": args, "model": model.state_dict(),
-             "optimizer_history": [{"criterion_name": "CrossEntropyCriterion",
-                                    "optimizer_name": "FairseqAdam",
-                                    "lr_scheduler_state": {"best": None},
-                                    "num_updates": 500}],
-             "extra_state": {"train_iterator": {"epoch": 2}}, "last_optimizer_state": None}
-    torch.save(state, root / "model.pt")
-    return root / "model.pt", len(task.source_dictionary)
+    path = write_random_bart(root / "model.pt", dict_txt, TINY, seed=0, num_updates=500,
+                             epoch=2)
+    state = torch.load(path)  # weights-only, with the plugin's allow-list
+    return path, state["model"]["encoder.embed_tokens.weight"].shape[0]
 
 
 @pytest.fixture(scope="module")
