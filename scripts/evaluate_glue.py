@@ -179,8 +179,7 @@ def evaluate(a):
     return results
 
 
-def env(name, default=None):
-    return os.environ.get(name, default)
+env = os.environ.get  # an option's default: its environment variable
 
 
 def parse_args(argv):

@@ -272,8 +272,7 @@ def prepare_task(task, glue_dir, out, encoder_json, vocab_bpe, dict_path, worker
     return counts
 
 
-def env(name, default=None):
-    return os.environ.get(name, default)
+env = os.environ.get  # an option's default: its environment variable
 
 
 def parse_args(argv):

@@ -22,8 +22,9 @@ Modes:
     # initialised model; give its size and learning rate as overrides)
     python scripts/train_glue.py SST-2 --from-scratch ... -- model.encoder_layers=2 ...
 
-Every option has an environment variable: DATA, SAVE_DIR, ROBERTA_CHECKPOINT, MODE, ALPHA,
-SEED, MAX_UPDATE, UPDATE_FREQ. One GPU, as the paper (fairseq runs on every visible GPU:
+Every option with a value has an environment variable: DATA, SAVE_DIR, ROBERTA_CHECKPOINT,
+MODE, ALPHA, SEED, MAX_UPDATE, UPDATE_FREQ (the switches --from-scratch, --cpu, --fp16 have
+none). One GPU, as the paper (fairseq runs on every visible GPU:
 set CUDA_VISIBLE_DEVICES). --update-freq N keeps the paper's batch by running it as N
 batches of batch/N sentences (R-Drop doubles each batch in memory).
 """
@@ -83,8 +84,7 @@ def task_name(name):
     return None
 
 
-def env(name, default=None):
-    return os.environ.get(name, default)
+env = os.environ.get  # an option's default: its environment variable
 
 
 def parse_args(argv):
