@@ -9,8 +9,8 @@
    because they take twice as long): the baseline and R-Drop for each seed (1, 2, 3), and
    for the first seed the baseline with a doubled batch (appendix C.1: R-Drop's compute
    without its KL), streaming each epoch's validation BLEU.
-3. Averages each run's last 5 epoch checkpoints and scores the average on the test set
-   (beam 5, tokenized BLEU); prints a table (mean and standard deviation over seeds), plots
+3. As each run ends, averages its last 5 epoch checkpoints and scores the average on the
+   test set (beam 5, tokenized BLEU), beside the trainings still going; prints a table (mean and standard deviation over seeds), plots
    the validation curves to a PNG (like the paper's appendix figure 3) and writes
    everything to OUT/results.json.
 
@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -100,8 +101,9 @@ def train_command(data, save_dir, run, seed, size):
     ]
 
 
-def run_all(jobs, parallel):
-    """Run (name, command, log) jobs, ``parallel`` at a time, printing validation lines."""
+def run_all(jobs, parallel, on_done=None):
+    """Run (name, command, log) jobs, ``parallel`` at a time, printing validation lines;
+    ``on_done(name, log)`` after each job that succeeds."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     pending, running = list(jobs), []
     while pending or running:
@@ -124,7 +126,21 @@ def run_all(jobs, parallel):
                 handle.close()
                 if proc.returncode:
                     sys.exit(f"error: {name} failed, see {log}")
+                if on_done:
+                    on_done(name, log)
         running = still
+
+
+def score_run(name, data, save_dir, size):
+    """Average the run's last epoch checkpoints and score the average on the test set."""
+    checkpoint = save_dir / f"checkpoint_avg{size['average']}.pt"
+    torch.save(average(last_checkpoints(save_dir, size["average"], r"checkpoint(\d+)\.pt")),
+               checkpoint)
+    _, bleu, _ = generate_and_score(data, checkpoint, save_dir.with_suffix(".test.txt"),
+                                    batch_size=64, cpu=True, quiet=True)
+    print(f"  [{name}] test BLEU {bleu:.2f} (average of the last {size['average']} "
+          "checkpoints, beam 5)", flush=True)
+    return round(bleu, 2)
 
 
 def valid_curve(log):
@@ -201,21 +217,21 @@ def main(argv=None):
                          save.with_suffix(".log")))
     print(f"[demo] training {len(jobs)} runs, {a.parallel} at a time, "
           f"{size['epochs']} epochs each", flush=True)
-    run_all(jobs, a.parallel)
-
-    results = {}
-    for (name, _, log) in sorted(jobs, key=lambda job: a.runs.index(job[0].rsplit(" s", 1)[0])):
-        run, seed = name.rsplit(" s", 1)
-        save_dir = log.with_suffix("")
-        checkpoint = save_dir / f"checkpoint_avg{size['average']}.pt"
-        torch.save(average(last_checkpoints(save_dir, size["average"], r"checkpoint(\d+)\.pt")),
-                   checkpoint)
-        _, bleu, _ = generate_and_score(data, checkpoint, log.with_suffix(".test.txt"),
-                                        batch_size=64, cpu=True, quiet=True)
-        entry = results.setdefault(run, {"seeds": [], "test_bleu": [], "valid_curves": []})
-        entry["seeds"].append(int(seed))
-        entry["test_bleu"].append(round(bleu, 2))
-        entry["valid_curves"].append(valid_curve(log))
+    # each run is scored as soon as it ends, on one thread beside the trainings still going:
+    # the core that the last training leaves idle does the scoring
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    with ThreadPoolExecutor(max_workers=1) as scorer:
+        bleu = {}
+        run_all(jobs, a.parallel, on_done=lambda name, log: bleu.__setitem__(
+            name, scorer.submit(score_run, name, data, log.with_suffix(""), size)))
+        results = {}
+        for (name, _, log) in sorted(jobs,
+                                     key=lambda job: a.runs.index(job[0].rsplit(" s", 1)[0])):
+            run, seed = name.rsplit(" s", 1)
+            entry = results.setdefault(run, {"seeds": [], "test_bleu": [], "valid_curves": []})
+            entry["seeds"].append(int(seed))
+            entry["test_bleu"].append(bleu[name].result())
+            entry["valid_curves"].append(valid_curve(log))
     (a.out / "results.json").write_text(json.dumps({"size": size, "runs": results}, indent=1))
     plot({run: r["valid_curves"] for run, r in results.items()}, a.out / "valid_bleu.png")
 

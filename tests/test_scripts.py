@@ -151,9 +151,11 @@ def test_libreoffice_demo_trains_scores_and_plots(tmp_path):
     assert list(runs) == ["baseline", "doubled batch", "R-Drop"]
     assert runs["baseline"]["seeds"] == runs["R-Drop"]["seeds"] == [1, 2]
     assert runs["doubled batch"]["seeds"] == [1]  # the control runs for the first seed only
-    for run in runs.values():
+    for name, run in runs.items():
         assert all(0 <= b <= 100 for b in run["test_bleu"])
         assert all(len(c) == 2 for c in run["valid_curves"])
+        for seed, bleu in zip(run["seeds"], run["test_bleu"]):  # streamed as each run ends
+            assert f"[{name} s{seed}] test BLEU {bleu:.2f} (average of the last 2" in proc.stdout
     assert re.search(r"^\| doubled batch \| [\d.]+ ± – \(1 seed\) \| [\d.]+ \|$", proc.stdout,
                      re.M), proc.stdout[-1500:]
     mean = {run: statistics.mean(runs[run]["test_bleu"]) for run in runs}
