@@ -201,3 +201,31 @@ def test_since_after_the_last_address_says_what_to_change(sotu, tmp_path):
     assert proc.returncode != 0
     assert "no address for valid from 1958 on (of 12 addresses, 1950-1960)" in proc.stderr
     assert "pass an earlier --since" in proc.stderr
+
+
+def test_lm_check_end_to_end_table_and_report(sotu, tmp_path):
+    """scripts/sotu_lm_check.py, tiny: prepares, trains both modes for two seeds, scores each
+    best checkpoint, and reports mean ± std per mode computed from the runs."""
+    import statistics
+
+    work = tmp_path / "check"
+    out = run([sys.executable, REPO / "scripts" / "sotu_lm_check.py", "--source",
+               sotu["tarball"], "--work", work, "--since", 1950, "--max-epoch", 2,
+               "--seeds", 1, 2, "--", *TINY_MODEL, "task.tokens_per_sample=32"]).stdout
+    report = json.loads((work / "results.json").read_text())
+    runs = report["runs"]
+    assert [(r["mode"], r["seed"]) for r in runs] == [
+        ("baseline", 1), ("baseline", 2), ("rdrop", 1), ("rdrop", 2)]
+    for r in runs:
+        assert r["epochs"] == len(r["valid_curve"]) == 2 and r["best_epoch"] in (1, 2)
+        assert r["best_valid_ppl"] == min(r["valid_curve"])
+        assert math.isfinite(r["test_ppl"]) and r["test_ppl"] > 1
+        log = (work / "runs" / f"{r['mode']}-s{r['seed']}" / "train.log").read_text()
+        assert ("rdrop_kl" in log) == (r["mode"] == "rdrop"), log[-2000:]
+    for mode in ("baseline", "rdrop"):
+        test = [r["test_ppl"] for r in runs if r["mode"] == mode]
+        mean, std = report["summary"][mode]["test_ppl"]
+        assert mean == pytest.approx(statistics.mean(test))
+        assert std == pytest.approx(statistics.stdev(test))
+        assert f"| **{mode}**, mean ± std of 2 |" in out
+    assert report["overrides"][-1] == "task.tokens_per_sample=32"
