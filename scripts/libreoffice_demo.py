@@ -53,7 +53,7 @@ SIZES = {  # training pairs, valid/test pairs (None: all), pairs of at most max_
     # BPE merges, model, batch, schedule, R-Drop alpha, epochs, epoch checkpoints averaged
     "full": dict(pairs=6000, valid_pairs=300, test_pairs=None, max_words=15, merges=3000,
                  layers=2, dim=192, ffn=768, tokens=1024, lr=2e-3, warmup=400, alpha=1,
-                 epochs=30, average=5),
+                 epochs=18, average=5),
     "quick": dict(pairs=6000, valid_pairs=300, test_pairs=300, max_words=15, merges=3000,
                   layers=1, dim=128, ffn=512, tokens=1024, lr=2e-3, warmup=400, alpha=1,
                   epochs=8, average=2),
