@@ -10,9 +10,9 @@
    for the first seed the baseline with a doubled batch (appendix C.1: R-Drop's compute
    without its KL), streaming each epoch's validation BLEU.
 3. As each run ends, averages its last 5 epoch checkpoints and scores the average on the
-   test set (beam 5, tokenized BLEU), beside the trainings still going; prints a table (mean and standard deviation over seeds), plots
-   the validation curves to a PNG (like the paper's appendix figure 3) and writes
-   everything to OUT/results.json.
+   test set (beam 5, tokenized BLEU), beside the trainings still going. Then prints a table
+   (mean and standard deviation over seeds), plots the validation curves to a PNG (like
+   the paper's appendix figure 3) and writes everything to OUT/results.json.
 
 R-Drop's alpha here is 1, not the paper's 5 for translation: with this small model and a
 CPU budget of epochs, alpha 5 learns too slowly to finish (docs/results.md has the curves).
