@@ -1,0 +1,228 @@
+"""One fused Triton kernel for R-Drop's per-row loss terms and their gradient.
+
+``rdrop_rows_triton`` takes the scores of both passes, ``(2, N, V)``, and returns for every
+row pair ``i`` (pass 1 row ``x``, pass 2 row ``y``) the four loss terms and the gradient of
+
+    total = c1 * nll + eps_i * smooth + h * (kl_pq + kl_qp)
+
+with respect to ``x`` and ``y`` (logits, or log-probabilities with ``from_logits=False``).
+The caller scales and masks both (padding rows carry a valid class id here).
+
+One program handles one row pair and walks over V in ``BLOCK_V`` chunks, three times:
+
+1. online log-sum-exp of both rows (running max and rescaled running sum, as fused
+   cross-entropy kernels do), so any V fits (skipped for log-probabilities: lse = 0);
+2. ``kl_pq = sum pa*d``, ``kl_qp = -sum pb*d`` (``d = la - lb``) and ``sum la``, ``sum lb``;
+3. the gradient, which needs the complete KLs of its row (the softmax chain rule), hence
+   a sweep of its own.
+
+Memory traffic per row pair: each of the two rows is read 3 times (2 from log-probs), the
+gradient is written once in the input dtype, plus 4 floats of statistics. Nothing of size
+``(2N, V)`` in float32 is ever allocated; all arithmetic is float32 in registers.
+
+Importing this module needs triton; importing ``rdrop_fairseq`` does not (the core imports
+this module lazily). Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` runs, i.e. at
+import of this module, so the interpreter (CPU tensors) must be chosen before that.
+"""
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path works without it
+    triton = None
+
+__all__ = ["triton_available", "rdrop_rows_triton"]
+
+# What the @triton.jit below saw: later changes of the environment variable have no effect.
+_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Columns per chunk at most. Two rows of 4096 fp32 values over 8 warps (256 threads) are
+# 32 registers per value per thread, a handful of values live at once: no spills on
+# V100/RTX 3090/A100/H100, and enough bytes in flight per program to keep their memory
+# busy. Larger vocabularies just loop; smaller ones take one chunk.
+MAX_BLOCK_V = 4096
+
+
+def triton_available():
+    """True if triton can be imported (the kernel may still need a GPU, see below)."""
+    return triton is not None
+
+
+def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
+    """Per-row R-Drop terms and gradient of both passes in one kernel launch.
+
+    Args:
+        scores: ``(2, N, V)`` float16/bfloat16/float32, ``scores[0]`` pass 1, ``scores[1]``
+            pass 2; rows must be contiguous (``stride(-1) == 1``), the other strides are
+            free (a view of a ``(2N, V)`` tensor or a slice along N is read in place).
+        target: ``(N,)`` integer class ids, each in ``[0, V)``.
+        from_logits: True if ``scores`` are logits (log_softmax is folded in), False if
+            they are log-probabilities already.
+        pcoef: coefficient of ``p`` in the gradient from the task loss, ``c1 + eps_i * V``
+            for label-smoothed NLL from logits (ignored with ``from_logits=False``).
+        h: weight of each KL direction (``alpha / 2``).
+        eps_i: weight of ``smooth`` (label smoothing per class).
+        c1: weight of ``nll``.
+
+    Returns ``(grad, stats)``: ``grad`` is ``(2, N, V)`` contiguous in the dtype of
+    ``scores``, the gradient of ``total`` (unscaled, unmasked); ``stats`` is ``(4, N)``
+    float32 contiguous with the rows ``nll = -(la[t] + lb[t])``, ``smooth = -(sum la +
+    sum lb)``, ``kl_pq = KL(pa||pb)``, ``kl_qp = KL(pb||pa)``. A class that both passes
+    rule out (``la = lb = -inf``) contributes nothing to the KLs nor their gradient.
+
+    Only shapes, dtypes and devices are checked: no host-device synchronisation.
+    """
+    if triton is None:
+        raise ImportError("rdrop_rows_triton needs triton (pip install triton)")
+    _check_inputs(scores, target)
+    _, n, vocab = scores.shape
+    grad = torch.empty((2, n, vocab), dtype=scores.dtype, device=scores.device)
+    stats = torch.empty((4, n), dtype=torch.float32, device=scores.device)
+    if n == 0:
+        return grad, stats
+    block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
+    # one warp per 512 columns (16 per thread and row), 1 to 8: small vocabularies leave
+    # more programs per SM instead; 4096 columns take 8 warps as in fused softmax kernels
+    num_warps = max(1, min(8, block_v // 512))
+    _rdrop_rows_kernel[(n,)](
+        scores, scores.stride(0), scores.stride(1), target, target.stride(0),
+        grad, grad.stride(0), grad.stride(1), stats, n, vocab,
+        float(pcoef), float(h), float(eps_i), float(c1),
+        FROM_LOGITS=bool(from_logits), BLOCK_V=block_v, num_warps=num_warps,
+        enable_fp_fusion=True,  # FMA, as CUDA code does; explicit, as Triton asks from 3.9 on
+    )
+    return grad, stats
+
+
+def _check_inputs(scores, target):
+    if not torch.is_tensor(scores) or scores.dim() != 3 or scores.size(0) != 2:
+        shape = tuple(scores.shape) if torch.is_tensor(scores) else type(scores).__name__
+        raise ValueError(f"scores must be (2, N, V) with both passes stacked, got {shape}")
+    if scores.dtype not in _DTYPES:
+        raise ValueError(
+            f"the Triton kernel takes float16, bfloat16 or float32 scores, got {scores.dtype}"
+            " (use the torch path for float64)"
+        )
+    _, n, vocab = scores.shape
+    if vocab == 0:
+        raise ValueError("scores has V = 0 classes")
+    if scores.stride(-1) != 1 and vocab > 1:
+        raise ValueError(
+            f"the rows of scores must be contiguous (stride(-1) == 1), got strides "
+            f"{scores.stride()}: pass a contiguous copy"
+        )
+    if not torch.is_tensor(target) or target.dim() != 1 or target.size(0) != n:
+        shape = tuple(target.shape) if torch.is_tensor(target) else type(target).__name__
+        raise ValueError(f"target must be (N,) = ({n},) class ids, got {shape}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"target must hold int64 (or int32) class ids, got {target.dtype}")
+    if target.device != scores.device:
+        raise ValueError(f"target is on {target.device}, scores on {scores.device}")
+    if scores.is_cuda or _INTERPRET_AT_IMPORT:
+        return
+    now = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    hint = (
+        " (TRITON_INTERPRET=1 is set now, but it was not when rdrop_fairseq.triton_kernel "
+        "was imported, and Triton reads it only then: set it before that import)"
+        if now else ""
+    )
+    raise ValueError(
+        f"the R-Drop Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 to run "
+        f"Triton's interpreter on CPU; got scores on {scores.device}{hint}"
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rdrop_rows_kernel(
+        s_ptr, stride_pass, stride_row, t_ptr, stride_t, g_ptr, g_stride_pass, g_stride_row,
+        stats_ptr, n, vocab,
+        pcoef, h, eps_i, c1, FROM_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):
+        # int64 row offsets: N * V can exceed 2**31 (the strides come as int64 then)
+        row = tl.program_id(0).to(tl.int64)
+        a_ptr = s_ptr + row * stride_row
+        b_ptr = a_ptr + stride_pass
+        ga_ptr = g_ptr + row * g_stride_row
+        gb_ptr = ga_ptr + g_stride_pass
+        cols0 = tl.arange(0, BLOCK_V)
+        t = tl.load(t_ptr + row * stride_t)
+
+        # sweep 1: online log-sum-exp of both rows. The running max starts at a finite
+        # floor so that exp(m_old - m_new) is never exp(-inf + inf) = nan when a row (or
+        # its first chunks) is all -inf (masked logits); masked columns load as -inf.
+        if FROM_LOGITS:
+            m_a = tl.full((), -3.0e38, tl.float32)
+            m_b = tl.full((), -3.0e38, tl.float32)
+            s_a = tl.zeros((), tl.float32)
+            s_b = tl.zeros((), tl.float32)
+            for start in range(0, vocab, BLOCK_V):
+                cols = start + cols0
+                mask = cols < vocab
+                x = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                y = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                new_a = tl.maximum(m_a, tl.max(x, axis=0))
+                new_b = tl.maximum(m_b, tl.max(y, axis=0))
+                s_a = s_a * tl.exp(m_a - new_a) + tl.sum(tl.exp(x - new_a), axis=0)
+                s_b = s_b * tl.exp(m_b - new_b) + tl.sum(tl.exp(y - new_b), axis=0)
+                m_a = new_a
+                m_b = new_b
+            lse_a = m_a + tl.log(s_a)
+            lse_b = m_b + tl.log(s_b)
+        else:
+            lse_a = tl.zeros((), tl.float32)
+            lse_b = tl.zeros((), tl.float32)
+
+        # sweep 2: both KL directions and the sums of the log-probabilities
+        kl_pq = tl.zeros((), tl.float32)
+        kl_qp = tl.zeros((), tl.float32)
+        sum_a = tl.zeros((), tl.float32)
+        sum_b = tl.zeros((), tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            cols = start + cols0
+            mask = cols < vocab
+            la = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_a
+            lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
+            d = la - lb
+            d = tl.where(d != d, 0.0, d)  # -inf - -inf: ruled out by both passes (and padding)
+            kl_pq += tl.sum(tl.exp(la) * d, axis=0)
+            kl_qp -= tl.sum(tl.exp(lb) * d, axis=0)
+            sum_a += tl.sum(tl.where(mask, la, 0.0), axis=0)
+            sum_b += tl.sum(tl.where(mask, lb, 0.0), axis=0)
+        la_t = tl.load(a_ptr + t).to(tl.float32) - lse_a
+        lb_t = tl.load(b_ptr + t).to(tl.float32) - lse_b
+        tl.store(stats_ptr + row, -(la_t + lb_t))
+        tl.store(stats_ptr + n + row, -(sum_a + sum_b))
+        tl.store(stats_ptr + 2 * n + row, kl_pq)
+        tl.store(stats_ptr + 3 * n + row, kl_qp)
+
+        # sweep 3: the gradient. From logits, d/dx KL(p||q) = p (d - KL(p||q)) and
+        # d/dx KL(q||p) = p - q, and the task loss gives pcoef * p; from log-probabilities
+        # the softmax chain is absent: d/dla KL(p||q) = p (1 + d), d/dla KL(q||p) = -q.
+        if FROM_LOGITS:
+            coef_a = pcoef + h * (1.0 - kl_pq)
+            coef_b = pcoef + h * (1.0 - kl_qp)
+        else:
+            coef_a = h
+            coef_b = h
+        for start in range(0, vocab, BLOCK_V):
+            cols = start + cols0
+            mask = cols < vocab
+            la = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_a
+            lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
+            d = la - lb
+            d = tl.where(d != d, 0.0, d)
+            pa = tl.exp(la)
+            pb = tl.exp(lb)
+            common = eps_i + tl.where(cols == t, c1, 0.0)
+            g_a = pa * (coef_a + h * d) - h * pb - common
+            g_b = pb * (coef_b - h * d) - h * pa - common
+            tl.store(ga_ptr + cols, g_a.to(g_ptr.dtype.element_ty), mask=mask)
+            tl.store(gb_ptr + cols, g_b.to(g_ptr.dtype.element_ty), mask=mask)
