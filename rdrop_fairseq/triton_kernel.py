@@ -20,9 +20,11 @@ Memory traffic per row pair: each of the two rows is read 3 times (2 from log-pr
 gradient is written once in the input dtype, plus 4 floats of statistics. Nothing of size
 ``(2N, V)`` in float32 is ever allocated; all arithmetic is float32 in registers.
 
-Importing this module needs triton; importing ``rdrop_fairseq`` does not (the core imports
-this module lazily). Triton reads ``TRITON_INTERPRET`` when ``@triton.jit`` runs, i.e. at
-import of this module, so the interpreter (CPU tensors) must be chosen before that.
+Importing this module does not need triton (``triton_available()`` tells), and importing
+``rdrop_fairseq`` does not import this module (the core does so lazily). Triton reads
+``TRITON_INTERPRET`` when ``@triton.jit`` runs: for its own library (``tl.sum``...) at the
+first ``import triton`` of the process, for the kernel below at the import of this module.
+So the interpreter (CPU tensors) must be chosen before both.
 """
 
 import os
@@ -36,9 +38,6 @@ except ImportError:  # the torch path works without it
     triton = None
 
 __all__ = ["triton_available", "rdrop_rows_triton"]
-
-# What the @triton.jit below saw: later changes of the environment variable have no effect.
-_INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -124,12 +123,19 @@ def _check_inputs(scores, target):
         raise ValueError(f"target must hold int64 (or int32) class ids, got {target.dtype}")
     if target.device != scores.device:
         raise ValueError(f"target is on {target.device}, scores on {scores.device}")
-    if scores.is_cuda or _INTERPRET_AT_IMPORT:
+    if _KERNEL_INTERPRETED != _TRITON_INTERPRETED:
+        # the kernel would fail deep inside Triton with an obscure message
+        raise ValueError(
+            f"TRITON_INTERPRET changed between the first import of triton (interpreter: "
+            f"{_TRITON_INTERPRETED}) and that of rdrop_fairseq.triton_kernel (interpreter: "
+            f"{_KERNEL_INTERPRETED}): set it before both, they read it only then"
+        )
+    if scores.is_cuda or _KERNEL_INTERPRETED:
         return
     now = os.environ.get("TRITON_INTERPRET", "0") == "1"
     hint = (
         " (TRITON_INTERPRET=1 is set now, but it was not when rdrop_fairseq.triton_kernel "
-        "was imported, and Triton reads it only then: set it before that import)"
+        "was imported, and Triton reads it only then: set it before importing triton)"
         if now else ""
     )
     raise ValueError(
@@ -226,3 +232,7 @@ if triton is not None:
             g_b = pb * (coef_b - h * d) - h * pa - common
             tl.store(ga_ptr + cols, g_a.to(g_ptr.dtype.element_ty), mask=mask)
             tl.store(gb_ptr + cols, g_b.to(g_ptr.dtype.element_ty), mask=mask)
+
+    # what @triton.jit chose: the interpreter or compilation (see the module docstring)
+    _KERNEL_INTERPRETED = type(_rdrop_rows_kernel).__name__ == "InterpretedFunction"
+    _TRITON_INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"
