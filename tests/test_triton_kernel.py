@@ -36,46 +36,50 @@ if importlib.util.find_spec("triton") is None:
 KERNEL_PATH = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir,
                                             "rdrop_fairseq", "triton_kernel.py"))
 
-# Loads a copy of the module for each variant on first use and answers requests
-# (variant, TRITON_INTERPRET at call time, args, kwargs) until stdin closes.
+# Imports triton with the TRITON_INTERPRET its parent chose, loads a copy of the module per
+# variant on first use ("interpreted": with TRITON_INTERPRET=1, "compiled": without), and
+# answers requests (variant, TRITON_INTERPRET during the call, args, kwargs) until stdin
+# closes. Tensors keep their strides through torch.save; the reply echoes them as a check.
 WORKER = r"""
-import importlib.util, io, os, struct, sys, warnings
+import contextlib, importlib.util, io, os, struct, sys, warnings
 import torch
-import triton  # first, with TRITON_INTERPRET as the parent chose for this process
+import triton
 
 # masked columns compute -inf - (-inf) on purpose (the kernel maps the nan to 0); the
-# interpreter does it in numpy, which warns
+# interpreter does that in numpy, which warns
 warnings.filterwarnings("ignore", "invalid value encountered")
 path, requests, replies = sys.argv[1], sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
 os.dup2(2, 1)  # stray prints must not corrupt the replies
 modules = {}
 
-def load(variant):
-    if variant not in modules:
-        saved = os.environ.pop("TRITON_INTERPRET", None)
-        if variant == "interpreted":
-            os.environ["TRITON_INTERPRET"] = "1"
-        spec = importlib.util.spec_from_file_location("_rdrop_triton_" + variant, path)
-        modules[variant] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(modules[variant])
+@contextlib.contextmanager
+def interpret_env(value):
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    if value is not None:
+        os.environ["TRITON_INTERPRET"] = value
+    try:
+        yield
+    finally:
         os.environ.pop("TRITON_INTERPRET", None)
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
+
+def load(variant):
+    if variant not in modules:
+        with interpret_env("1" if variant == "interpreted" else None):
+            spec = importlib.util.spec_from_file_location("_rdrop_triton_" + variant, path)
+            modules[variant] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(modules[variant])
     return modules[variant]
 
 while head := requests.read(8):
     variant, env, args, kwargs = torch.load(io.BytesIO(requests.read(*struct.unpack("<Q", head))))
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    if env is not None:
-        os.environ["TRITON_INTERPRET"] = env
     try:
-        strides = [a.stride() for a in args if torch.is_tensor(a)]  # torch.save keeps views
-        reply = ("ok", load(variant).rdrop_rows_triton(*args, **kwargs), strides)
+        with interpret_env(env):
+            result = load(variant).rdrop_rows_triton(*args, **kwargs)
+        reply = ("ok", result, [a.stride() for a in args if torch.is_tensor(a)])
     except Exception as exc:
         reply = ("error", type(exc).__name__, str(exc))
-    os.environ.pop("TRITON_INTERPRET", None)
-    if saved is not None:
-        os.environ["TRITON_INTERPRET"] = saved
     buf = io.BytesIO()
     torch.save(reply, buf)
     replies.write(struct.pack("<Q", len(buf.getvalue())) + buf.getvalue())
@@ -147,7 +151,7 @@ def make_scores(n, v, seed, from_logits, dtype, noise=1.0):
 
 
 def settings(v):
-    """(name, pcoef, h, eps_i, c1) as a caller computes them from alpha and epsilon."""
+    """name -> (pcoef, h, eps_i, c1), as a caller computes them from alpha and epsilon."""
     eps = 0.1
     eps_i = eps / (v - 1) if v > 1 else 0.0
     c1 = 1.0 - eps - eps_i
@@ -155,7 +159,7 @@ def settings(v):
         "label_smoothing": (c1 + eps_i * v, 0.7 / 2, eps_i, c1),  # alpha = 0.7
         "alpha0": (1.0, 0.0, 0.0, 1.0),  # plain cross-entropy, no consistency term
         "kl_only": (0.0, 2.5, 0.0, 0.0),  # alpha = 5
-        "weighted": (0.5 + 0.01 * v, 1.5, 0.01, 0.5),
+        "weighted": (0.5 + 0.01 * v, 1.5, 0.01, 0.5),  # arbitrary weights, pcoef != 1
     }
 
 
@@ -278,16 +282,16 @@ def test_non_contiguous_rows(kernel, dtype):
     """Row stride != V, a slice along N, and a pass stride smaller than the row stride."""
     n, v = 4, 1000
     base = torch.randn(2, 2 * n + 1, v + 24, generator=gen(11)).to(dtype)
-    sliced = base[:, 1::2, 3:3 + v]  # strides (rows of both passes interleaved with junk)
+    sliced = base[:, 1::2, 3:3 + v]  # every other row, each inside a longer line
     assert not sliced.is_contiguous() and sliced.stride(-1) == 1
     target = torch.randint(0, v, (2 * n,), generator=gen(12))[::2]  # strided target too
     check(kernel, sliced, target, True, *settings(v)["weighted"])
 
     # both passes of an example next to each other: (N, 2, V) transposed to (2, N, V)
-    pairs = torch.randn(n, 2, v, generator=gen(13)).to(dtype).transpose(0, 1)
+    pairs = F.log_softmax(torch.randn(n, 2, v, generator=gen(13)), -1).to(dtype)
+    pairs = pairs.transpose(0, 1)
     assert pairs.stride() == (v, 2 * v, 1)
-    grad, _ = check(kernel, F.log_softmax(pairs.float(), -1).to(dtype), target, False,
-                    *settings(v)["label_smoothing"])
+    grad, _ = check(kernel, pairs, target, False, *settings(v)["label_smoothing"])
     assert grad.is_contiguous()
 
 
