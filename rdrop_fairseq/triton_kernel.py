@@ -43,7 +43,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Columns per chunk at most. A chunk of both rows over 8 warps (256 threads) is 16 values
 # per thread and row, enough loads in flight to keep the memory of V100/RTX 3090/A100/H100
-# busy; ptxas (sm_70, sm_80) gives 72-110 registers and no spills up to 4096 columns,
+# busy; ptxas (sm_70, sm_80) gives 70-110 registers and no spills up to 4096 columns,
 # ~200 at 8192, which would halve the programs per SM. Larger vocabularies just loop.
 MAX_BLOCK_V = 4096
 
@@ -74,7 +74,8 @@ def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
     ``scores``, the gradient of ``total`` (unscaled, unmasked); ``stats`` is ``(4, N)``
     float32 contiguous with the rows ``nll = -(la[t] + lb[t])``, ``smooth = -(sum la +
     sum lb)``, ``kl_pq = KL(pa||pb)``, ``kl_qp = KL(pb||pa)``. A class that both passes
-    rule out (``la = lb = -inf``) contributes nothing to the KLs nor their gradient.
+    rule out (``la = lb = -inf``) contributes nothing to the KLs nor their gradient; one
+    that only pass 1 rules out adds 0 to ``kl_pq`` and +inf to ``kl_qp`` (and vice versa).
 
     Only shapes, dtypes and devices are checked: no host-device synchronisation.
     """
@@ -199,8 +200,12 @@ if triton is not None:
             lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
             d = la - lb
             d = tl.where(d != d, 0.0, d)  # -inf - -inf: ruled out by both passes (and padding)
-            kl_pq += tl.sum(tl.exp(la) * d, axis=0)
-            kl_qp -= tl.sum(tl.exp(lb) * d, axis=0)
+            pa = tl.exp(la)
+            pb = tl.exp(lb)
+            # 0 log(0/q) = 0 for a class ruled out by one pass only (0 * inf would be nan;
+            # the other direction is then +inf, as it should). A nan input still propagates.
+            kl_pq += tl.sum(tl.where(pa == 0.0, 0.0, pa * d), axis=0)
+            kl_qp -= tl.sum(tl.where(pb == 0.0, 0.0, pb * d), axis=0)
             sum_a += tl.sum(tl.where(mask, la, 0.0), axis=0)
             sum_b += tl.sum(tl.where(mask, lb, 0.0), axis=0)
         la_t = tl.load(a_ptr + t).to(tl.float32) - lse_a

@@ -172,10 +172,12 @@ def reference(scores, target, from_logits, h, eps_i, c1):
     t = target.view(-1, 1)
     nll = -(la.gather(1, t) + lb.gather(1, t)).squeeze(1)
     smooth = -(la.sum(-1) + lb.sum(-1))
-    both_out = torch.isneginf(la) & torch.isneginf(lb)  # 0 log(0/0) = 0
-    log_ratio = torch.where(both_out, torch.zeros_like(la), la - lb)
-    kl_pq = (la.exp() * log_ratio).sum(-1)
-    kl_qp = (lb.exp() * -log_ratio).sum(-1)
+    pa, pb, zero = la.exp(), lb.exp(), torch.zeros_like(la)
+    # only the classes with P_v > 0 count in KL(P||Q); -inf - (-inf) is replaced before
+    # it meets autograd (a nan in an unused torch.where branch still poisons gradients)
+    log_ratio = torch.where(torch.isneginf(la) & torch.isneginf(lb), zero, la - lb)
+    kl_pq = torch.where(pa > 0, pa * log_ratio, zero).sum(-1)
+    kl_qp = torch.where(pb > 0, pb * -log_ratio, zero).sum(-1)
     total = c1 * nll + eps_i * smooth + h * (kl_pq + kl_qp)
     gx, gy = torch.autograd.grad(total.sum(), (x, y))
     return torch.stack([gx, gy]), torch.stack([nll, smooth, kl_pq, kl_qp]).detach()
@@ -263,6 +265,24 @@ def test_class_ruled_out_by_both_passes(kernel, from_logits):
         grad, stats = check(kernel, s, target, from_logits, pcoef, h, eps_i, c1)
         assert torch.isfinite(grad).all()
         assert torch.isfinite(stats[[0, 2, 3]]).all()  # smooth is +inf: log 0 is summed
+
+
+def test_class_ruled_out_by_one_pass(kernel):
+    """KL(P||Q) stays finite if only P rules a class out, KL(Q||P) is +inf: no nan.
+    (The gradient is not compared: it is infinite, or nan as in the torch path.)"""
+    n, v = 3, 40
+    s = F.log_softmax(torch.randn(2, n, v, generator=gen(14), dtype=torch.float64), -1)
+    s[0, :, 7] = float("-inf")  # pass 1 rules class 7 out
+    s[1, 2, 9] = float("-inf")  # pass 2 rules class 9 out, in row 2
+    s = s.float()
+    target = torch.tensor([0, 1, 2])
+    for from_logits in (False, True):
+        _, stats = kernel(s, target, from_logits=from_logits, pcoef=1.0, h=0.5, eps_i=0.0,
+                          c1=1.0)
+        _, ref_stats = reference(s, target, from_logits, 0.5, 0.0, 1.0)
+        torch.testing.assert_close(stats.double(), ref_stats, **STATS_TOL)
+        assert torch.isfinite(stats[2, :2]).all()
+        assert torch.isposinf(stats[2, 2]) and torch.isposinf(stats[3]).all()
 
 
 # ------------------------------------------------------------------------ 2. layouts
