@@ -198,12 +198,13 @@ if triton is not None:
             mask = cols < vocab
             la = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_a
             lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
-            d = la - lb
-            d = tl.where(d != d, 0.0, d)  # -inf - -inf: ruled out by both passes (and padding)
+            # -inf - (-inf) would be nan: a class ruled out by both passes (and the masked
+            # columns past V) counts 0; a nan input still gives nan
+            d = tl.where(la == lb, 0.0, la - lb)
             pa = tl.exp(la)
             pb = tl.exp(lb)
             # 0 log(0/q) = 0 for a class ruled out by one pass only (0 * inf would be nan;
-            # the other direction is then +inf, as it should). A nan input still propagates.
+            # the other direction is then +inf, as it should)
             kl_pq += tl.sum(tl.where(pa == 0.0, 0.0, pa * d), axis=0)
             kl_qp -= tl.sum(tl.where(pb == 0.0, 0.0, pb * d), axis=0)
             sum_a += tl.sum(tl.where(mask, la, 0.0), axis=0)
@@ -229,8 +230,7 @@ if triton is not None:
             mask = cols < vocab
             la = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_a
             lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
-            d = la - lb
-            d = tl.where(d != d, 0.0, d)
+            d = tl.where(la == lb, 0.0, la - lb)
             pa = tl.exp(la)
             pb = tl.exp(lb)
             common = eps_i + tl.where(cols == t, c1, 0.0)

@@ -285,6 +285,22 @@ def test_class_ruled_out_by_one_pass(kernel):
         assert torch.isposinf(stats[2, 2]) and torch.isposinf(stats[3]).all()
 
 
+@pytest.mark.parametrize("from_logits", [True, False], ids=["logits", "lprobs"])
+def test_nan_input_propagates(kernel, from_logits):
+    """A nan score (a diverged model) must reach its row's loss, for fairseq to see it."""
+    scores, target = make_scores(3, 20, seed=15, from_logits=from_logits, dtype=torch.float32)
+    scores[1, 1, 4] = float("nan")
+    target[1] = 3
+    grad, stats = kernel(scores, target, from_logits=from_logits, pcoef=1.0, h=0.5,
+                         eps_i=0.0, c1=1.0)
+    assert torch.isnan(stats[1:, 1]).all()  # smooth and both KLs (nll is la[3] + lb[3])
+    assert torch.isnan(grad[:, 1]).any()
+    keep = [0, 2]
+    ref_grad, ref_stats = reference(scores[:, keep], target[keep], from_logits, 0.5, 0.0, 1.0)
+    torch.testing.assert_close(stats[:, keep].double(), ref_stats, **STATS_TOL)
+    torch.testing.assert_close(grad[:, keep].double(), ref_grad, **GRAD_TOL[torch.float32])
+
+
 # ------------------------------------------------------------------------ 2. layouts
 
 
