@@ -27,6 +27,7 @@ first ``import triton`` of the process, for the kernel below at the import of th
 So the interpreter (CPU tensors) must be chosen before both.
 """
 
+import contextlib
 import os
 
 import torch
@@ -91,13 +92,15 @@ def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
     # one warp per 512 columns (16 per thread and row), 1 to 8: small vocabularies leave
     # more programs per SM instead; 4096 columns take 8 warps as in fused softmax kernels
     num_warps = max(1, min(8, block_v // 512))
-    _rdrop_rows_kernel[(n,)](
-        scores, scores.stride(0), scores.stride(1), target, target.stride(0),
-        grad, grad.stride(0), grad.stride(1), stats, n, vocab,
-        float(pcoef), float(h), float(eps_i), float(c1),
-        FROM_LOGITS=bool(from_logits), BLOCK_V=block_v, num_warps=num_warps,
-        enable_fp_fusion=True,  # FMA, as CUDA code does; explicit, as Triton asks from 3.9 on
-    )
+    # Triton launches on the current device, which need not be that of the tensors
+    with torch.cuda.device(scores.device) if scores.is_cuda else contextlib.nullcontext():
+        _rdrop_rows_kernel[(n,)](
+            scores, scores.stride(0), scores.stride(1), target, target.stride(0),
+            grad, grad.stride(0), grad.stride(1), stats, n, vocab,
+            float(pcoef), float(h), float(eps_i), float(c1),
+            FROM_LOGITS=bool(from_logits), BLOCK_V=block_v, num_warps=num_warps,
+            enable_fp_fusion=True,  # FMA as in CUDA code; explicit, as Triton 3.9 asks
+        )
     return grad, stats
 
 
