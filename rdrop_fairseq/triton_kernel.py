@@ -11,14 +11,16 @@ The caller scales and masks both (padding rows carry a valid class id here).
 One program handles one row pair and walks over V in ``BLOCK_V`` chunks, three times:
 
 1. online log-sum-exp of both rows (running max and rescaled running sum, as fused
-   cross-entropy kernels do), so any V fits (skipped for log-probabilities: lse = 0);
+   cross-entropy kernels do), so any V fits;
 2. ``kl_pq = sum pa*d``, ``kl_qp = -sum pb*d`` (``d = la - lb``) and ``sum la``, ``sum lb``;
 3. the gradient, which needs the complete KLs of its row (the softmax chain rule), hence
    a sweep of its own.
 
-Memory traffic per row pair: each of the two rows is read 3 times (2 from log-probs), the
-gradient is written once in the input dtype, plus 4 floats of statistics. Nothing of size
-``(2N, V)`` in float32 is ever allocated; all arithmetic is float32 in registers.
+From log-probabilities there is no log-sum-exp and the gradient needs no KL: sweep 2 alone
+does it all. Memory traffic per row pair: each of the two rows is read 3 times from logits
+(once from log-probabilities), the gradient is written once in the input dtype, plus 4
+floats of statistics. Nothing of size ``(2N, V)`` in float32 is ever allocated; all
+arithmetic is float32 in registers.
 
 Importing this module does not need triton (``triton_available()`` tells), and importing
 ``rdrop_fairseq`` does not import this module (the core does so lazily). Triton reads
@@ -42,11 +44,13 @@ __all__ = ["triton_available", "rdrop_rows_triton"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Columns per chunk at most. A chunk of both rows over 8 warps (256 threads) is 16 values
-# per thread and row, enough loads in flight to keep the memory of V100/RTX 3090/A100/H100
-# busy; ptxas (sm_70, sm_80) gives 70-110 registers and no spills up to 4096 columns,
-# ~200 at 8192, which would halve the programs per SM. Larger vocabularies just loop.
+# Columns per chunk at most, and columns per warp: 8 values per thread and row. Larger
+# vocabularies just loop. ptxas gives 48-91 registers and no spills for every chunk size
+# up to 4096 (16 warps; 64 on sm_80, so two such programs share an SM's 64k registers on
+# V100/RTX 3090/A100/H100); 16 values per thread took 150-180 registers from log-probs,
+# and 8192-column chunks 100-130.
 MAX_BLOCK_V = 4096
+COLUMNS_PER_WARP = 256
 
 
 def triton_available():
@@ -89,9 +93,7 @@ def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
     if n == 0:
         return grad, stats
     block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
-    # one warp per 512 columns (16 per thread and row), 1 to 8: small vocabularies leave
-    # more programs per SM instead; 4096 columns take 8 warps as in fused softmax kernels
-    num_warps = max(1, min(8, block_v // 512))
+    num_warps = max(1, block_v // COLUMNS_PER_WARP)  # 1 to 16
     # Triton launches on the current device, which need not be that of the tensors
     with torch.cuda.device(scores.device) if scores.is_cuda else contextlib.nullcontext():
         _rdrop_rows_kernel[(n,)](
@@ -191,7 +193,8 @@ if triton is not None:
             lse_a = tl.zeros((), tl.float32)
             lse_b = tl.zeros((), tl.float32)
 
-        # sweep 2: both KL directions and the sums of the log-probabilities
+        # sweep 2: both KL directions and the sums of the log-probabilities; from
+        # log-probabilities also the gradient, which needs no KL there (see sweep 3)
         kl_pq = tl.zeros((), tl.float32)
         kl_qp = tl.zeros((), tl.float32)
         sum_a = tl.zeros((), tl.float32)
@@ -199,19 +202,16 @@ if triton is not None:
         for start in range(0, vocab, BLOCK_V):
             cols = start + cols0
             mask = cols < vocab
-            la = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_a
-            lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
-            # -inf - (-inf) would be nan: a class ruled out by both passes (and the masked
-            # columns past V) counts 0; a nan input still gives nan
-            d = tl.where(la == lb, 0.0, la - lb)
-            pa = tl.exp(la)
-            pb = tl.exp(lb)
+            la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b)
             # 0 log(0/q) = 0 for a class ruled out by one pass only (0 * inf would be nan;
             # the other direction is then +inf, as it should)
             kl_pq += tl.sum(tl.where(pa == 0.0, 0.0, pa * d), axis=0)
             kl_qp -= tl.sum(tl.where(pb == 0.0, 0.0, pb * d), axis=0)
             sum_a += tl.sum(tl.where(mask, la, 0.0), axis=0)
             sum_b += tl.sum(tl.where(mask, lb, 0.0), axis=0)
+            if not FROM_LOGITS:
+                # d/dla KL(p||q) = p (1 + d), d/dla KL(q||p) = -q
+                _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, h, h, h, eps_i, c1)
         la_t = tl.load(a_ptr + t).to(tl.float32) - lse_a
         lb_t = tl.load(b_ptr + t).to(tl.float32) - lse_b
         tl.store(stats_ptr + row, -(la_t + lb_t))
@@ -219,28 +219,37 @@ if triton is not None:
         tl.store(stats_ptr + 2 * n + row, kl_pq)
         tl.store(stats_ptr + 3 * n + row, kl_qp)
 
-        # sweep 3: the gradient. From logits, d/dx KL(p||q) = p (d - KL(p||q)) and
-        # d/dx KL(q||p) = p - q, and the task loss gives pcoef * p; from log-probabilities
-        # the softmax chain is absent: d/dla KL(p||q) = p (1 + d), d/dla KL(q||p) = -q.
+        # sweep 3, from logits: the gradient, through the softmax: d/dx KL(p||q) =
+        # p (d - KL(p||q)) needs the row's complete KL; d/dx KL(q||p) = p - q, and the
+        # task loss gives pcoef * p
         if FROM_LOGITS:
             coef_a = pcoef + h * (1.0 - kl_pq)
             coef_b = pcoef + h * (1.0 - kl_qp)
-        else:
-            coef_a = h
-            coef_b = h
-        for start in range(0, vocab, BLOCK_V):
-            cols = start + cols0
-            mask = cols < vocab
-            la = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_a
-            lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
-            d = tl.where(la == lb, 0.0, la - lb)
-            pa = tl.exp(la)
-            pb = tl.exp(lb)
-            common = eps_i + tl.where(cols == t, c1, 0.0)
-            g_a = pa * (coef_a + h * d) - h * pb - common
-            g_b = pb * (coef_b - h * d) - h * pa - common
-            tl.store(ga_ptr + cols, g_a.to(g_ptr.dtype.element_ty), mask=mask)
-            tl.store(gb_ptr + cols, g_b.to(g_ptr.dtype.element_ty), mask=mask)
+            for start in range(0, vocab, BLOCK_V):
+                cols = start + cols0
+                mask = cols < vocab
+                la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b)
+                _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h,
+                            eps_i, c1)
+
+    @triton.jit
+    def _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b):
+        """la, lb, d = la - lb, pa, pb of one chunk (columns past V: -inf, d = 0)."""
+        la = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_a
+        lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
+        # -inf - (-inf) would be nan: a class ruled out by both passes counts 0; a nan
+        # input still gives nan
+        d = tl.where(la == lb, 0.0, la - lb)
+        return la, lb, d, tl.exp(la), tl.exp(lb)
+
+    @triton.jit
+    def _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h, eps_i, c1):
+        """g_a = pa (coef_a + h d) - h pb - eps_i - c1 [v == t], g_b likewise."""
+        common = eps_i + tl.where(cols == t, c1, 0.0)
+        g_a = pa * (coef_a + h * d) - h * pb - common
+        g_b = pb * (coef_b - h * d) - h * pa - common
+        tl.store(ga_ptr + cols, g_a.to(ga_ptr.dtype.element_ty), mask=mask)
+        tl.store(gb_ptr + cols, g_b.to(gb_ptr.dtype.element_ty), mask=mask)
 
     # what @triton.jit chose: the interpreter or compilation (see the module docstring)
     _KERNEL_INTERPRETED = type(_rdrop_rows_kernel).__name__ == "InterpretedFunction"
