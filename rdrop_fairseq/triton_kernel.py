@@ -17,9 +17,15 @@ One program handles one row pair and walks over V in ``BLOCK_V`` chunks, three t
    a sweep of its own.
 
 From log-probabilities there is no log-sum-exp and the gradient needs no KL: sweep 2 alone
-does it all. Memory traffic per row pair: each of the two rows is read 3 times from logits
-(once from log-probabilities), the gradient is written once in the input dtype, plus 4
-floats of statistics. Nothing of size ``(2N, V)`` in float32 is ever allocated; all
+does it all (except in float16, below). Memory traffic per row pair: each of the two rows
+is read 3 times from logits (once from log-probabilities), the gradient is written once in
+the input dtype, plus 5 floats of statistics.
+
+A float16 gradient is stored multiplied by a power of two per row pair (returned as its
+inverse in the statistics): most entries of a softmax gradient are ~1/V, fp16 subnormals
+at V = 32k. Sweep 2 tracks ``max pa |d|`` and ``max pb |d|``, which bound the row's
+gradient, and the scale brings that bound near 2**14 (from log-probabilities the gradient
+then moves to a third sweep as well). Nothing of size ``(2N, V)`` in float32 is ever allocated; all
 arithmetic is float32 in registers.
 
 Importing this module does not need triton (``triton_available()`` tells), and importing
@@ -43,6 +49,9 @@ except ImportError:  # the torch path works without it
 __all__ = ["triton_available", "rdrop_rows_triton"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# float16 gradients: each row pair's bound on |g| is scaled to about this (see above)
+FP16_TARGET_MAX = 2.0 ** 14
 
 # Columns per chunk at most, and columns per warp: 8 values per thread and row. Larger
 # vocabularies just loop. ptxas gives 48-91 registers and no spills for every chunk size
@@ -76,9 +85,10 @@ def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
         c1: weight of ``nll``.
 
     Returns ``(grad, stats)``: ``grad`` is ``(2, N, V)`` contiguous in the dtype of
-    ``scores``, the gradient of ``total`` (unscaled, unmasked); ``stats`` is ``(4, N)``
-    float32 contiguous with the rows ``nll = -(la[t] + lb[t])``, ``smooth = -(sum la +
-    sum lb)``, ``kl_pq = KL(pa||pb)``, ``kl_qp = KL(pb||pa)``. A class that both passes
+    ``scores``, the gradient of ``total`` (unmasked; in float16 multiplied by a power of
+    two per row pair); ``stats`` is ``(5, N)`` float32 contiguous with the rows ``nll =
+    -(la[t] + lb[t])``, ``smooth = -(sum la + sum lb)``, ``kl_pq = KL(pa||pb)``, ``kl_qp =
+    KL(pb||pa)``, and the factor that undoes the gradient's scale (1 but in float16). A class that both passes
     rule out (``la = lb = -inf``) contributes nothing to the KLs nor their gradient; one
     that only pass 1 rules out adds 0 to ``kl_pq`` and +inf to ``kl_qp`` (and vice versa).
 
@@ -89,7 +99,7 @@ def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
     _check_inputs(scores, target)
     _, n, vocab = scores.shape
     grad = torch.empty((2, n, vocab), dtype=scores.dtype, device=scores.device)
-    stats = torch.empty((4, n), dtype=torch.float32, device=scores.device)
+    stats = torch.empty((5, n), dtype=torch.float32, device=scores.device)
     if n == 0:
         return grad, stats
     block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
@@ -99,8 +109,9 @@ def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
         _rdrop_rows_kernel[(n,)](
             scores, scores.stride(0), scores.stride(1), target, target.stride(0),
             grad, grad.stride(0), grad.stride(1), stats, n, vocab,
-            float(pcoef), float(h), float(eps_i), float(c1),
-            FROM_LOGITS=bool(from_logits), BLOCK_V=block_v, num_warps=num_warps,
+            float(pcoef), float(h), float(eps_i), float(c1), FP16_TARGET_MAX,
+            FROM_LOGITS=bool(from_logits), ROW_SCALE=scores.dtype == torch.float16,
+            BLOCK_V=block_v, num_warps=num_warps,
             enable_fp_fusion=True,  # FMA as in CUDA code; explicit, as Triton 3.9 asks
         )
     return grad, stats
@@ -157,7 +168,8 @@ if triton is not None:
     def _rdrop_rows_kernel(
         s_ptr, stride_pass, stride_row, t_ptr, stride_t, g_ptr, g_stride_pass, g_stride_row,
         stats_ptr, n, vocab,
-        pcoef, h, eps_i, c1, FROM_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr,
+        pcoef, h, eps_i, c1, target_max, FROM_LOGITS: tl.constexpr, ROW_SCALE: tl.constexpr,
+        BLOCK_V: tl.constexpr,
     ):
         # int64 row offsets: N * V can exceed 2**31 (the strides come as int64 then)
         row = tl.program_id(0).to(tl.int64)
@@ -199,6 +211,8 @@ if triton is not None:
         kl_qp = tl.zeros((), tl.float32)
         sum_a = tl.zeros((), tl.float32)
         sum_b = tl.zeros((), tl.float32)
+        big_a = tl.zeros((), tl.float32)  # max pa |d|, max pb |d|: for the fp16 scale
+        big_b = tl.zeros((), tl.float32)
         for start in range(0, vocab, BLOCK_V):
             cols = start + cols0
             mask = cols < vocab
@@ -209,9 +223,12 @@ if triton is not None:
             kl_qp -= tl.sum(tl.where(pb == 0.0, 0.0, pb * d), axis=0)
             sum_a += tl.sum(tl.where(mask, la, 0.0), axis=0)
             sum_b += tl.sum(tl.where(mask, lb, 0.0), axis=0)
-            if not FROM_LOGITS:
+            if ROW_SCALE:
+                big_a = tl.maximum(big_a, tl.max(tl.where(pa == 0.0, 0.0, pa * tl.abs(d)), 0))
+                big_b = tl.maximum(big_b, tl.max(tl.where(pb == 0.0, 0.0, pb * tl.abs(d)), 0))
+            if not FROM_LOGITS and not ROW_SCALE:
                 # d/dla KL(p||q) = p (1 + d), d/dla KL(q||p) = -q
-                _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, h, h, h, eps_i, c1)
+                _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, h, h, h, eps_i, c1, 1.0)
         la_t = tl.load(a_ptr + t).to(tl.float32) - lse_a
         lb_t = tl.load(b_ptr + t).to(tl.float32) - lse_b
         tl.store(stats_ptr + row, -(la_t + lb_t))
@@ -221,16 +238,30 @@ if triton is not None:
 
         # sweep 3, from logits: the gradient, through the softmax: d/dx KL(p||q) =
         # p (d - KL(p||q)) needs the row's complete KL; d/dx KL(q||p) = p - q, and the
-        # task loss gives pcoef * p
+        # task loss gives pcoef * p. (From log-probabilities: g = p h (1 + d) - h q ...)
         if FROM_LOGITS:
             coef_a = pcoef + h * (1.0 - kl_pq)
             coef_b = pcoef + h * (1.0 - kl_qp)
+        else:
+            coef_a = h
+            coef_b = h
+        scale = 1.0
+        if ROW_SCALE:
+            # |g| <= |coef| p + h p |d| + h q + eps_i + |c1|, with p, q <= 1
+            bound = tl.maximum(tl.abs(coef_a) + h * big_a, tl.abs(coef_b) + h * big_b)
+            bound = tl.maximum(bound + h + eps_i + tl.abs(c1), 1.0e-30)
+            exponent = tl.minimum(tl.maximum(tl.floor(tl.log2(target_max / bound)), -24.0), 24.0)
+            scale = tl.exp2(exponent)
+            tl.store(stats_ptr + 4 * n + row, tl.exp2(-exponent))
+        else:
+            tl.store(stats_ptr + 4 * n + row, 1.0)
+        if FROM_LOGITS or ROW_SCALE:
             for start in range(0, vocab, BLOCK_V):
                 cols = start + cols0
                 mask = cols < vocab
                 la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b)
                 _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h,
-                            eps_i, c1)
+                            eps_i, c1, scale)
 
     @triton.jit
     def _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b):
@@ -243,11 +274,12 @@ if triton is not None:
         return la, lb, d, tl.exp(la), tl.exp(lb)
 
     @triton.jit
-    def _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h, eps_i, c1):
-        """g_a = pa (coef_a + h d) - h pb - eps_i - c1 [v == t], g_b likewise."""
+    def _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h, eps_i, c1,
+                    scale):
+        """g_a = pa (coef_a + h d) - h pb - eps_i - c1 [v == t], g_b likewise, times scale."""
         common = eps_i + tl.where(cols == t, c1, 0.0)
-        g_a = pa * (coef_a + h * d) - h * pb - common
-        g_b = pb * (coef_b - h * d) - h * pa - common
+        g_a = (pa * (coef_a + h * d) - h * pb - common) * scale
+        g_b = (pb * (coef_b - h * d) - h * pa - common) * scale
         tl.store(ga_ptr + cols, g_a.to(ga_ptr.dtype.element_ty), mask=mask)
         tl.store(gb_ptr + cols, g_b.to(gb_ptr.dtype.element_ty), mask=mask)
 
