@@ -314,16 +314,24 @@ def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef
     # gradient buffer until the gradient overwrites them, halving a chunk's temporaries
     in_place = need_grad and pairs.dtype == dtype
     index = target.view(1, n, 1).expand(2, n, 1)
-    scale_fp16 = pairs.dtype == torch.float16
-    at_target, sums, dots, scales = [], [], [], []
+    scale_fp16 = need_grad and pairs.dtype == torch.float16
+    # per-row results are written into buffers made up front: no small tensor outlives a
+    # chunk, so the allocator hands each chunk the memory the last one freed
+    at_target = torch.empty((2, n, 1), dtype=dtype, device=pairs.device)
+    sums = torch.empty((2, n), dtype=dtype, device=pairs.device)
+    dots = torch.empty((n, 2, 1), dtype=dtype, device=pairs.device)
+    inv_scale = torch.ones(n, dtype=dtype, device=pairs.device)
     grads = grad.split(chunk_rows, 1) if need_grad else [None] * math.ceil(n / chunk_rows)
-    for x, t, g in zip(pairs.split(chunk_rows, 1), index.split(chunk_rows, 1), grads):
+    for x, t, g, at, sm, dot, inv in zip(
+            pairs.split(chunk_rows, 1), index.split(chunk_rows, 1), grads,
+            at_target.split(chunk_rows, 1), sums.split(chunk_rows, 1), dots.split(chunk_rows),
+            inv_scale.split(chunk_rows)):
         if from_logits:
             lp = torch.log_softmax(x, -1, dtype=dtype)
         else:
             lp = x.to(dtype, copy=True)
-        at_target.append(lp.gather(-1, t))
-        sums.append(lp.sum(-1))
+        torch.gather(lp, -1, t, out=at)
+        torch.sum(lp, -1, out=sm)
         p = torch.exp(lp, out=g) if in_place else lp.exp()
         la, lb = lp.unbind(0)
         d = la.sub_(lb)  # la's storage now holds d = la - lb
@@ -331,8 +339,7 @@ def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef
             d.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
         pa, pb = p.unbind(0)
         # row dot products (sum_v pa d, sum_v pb d) = (KL(pa||pb), -KL(pb||pa)), as (r, 2, 1)
-        dot = torch.bmm(p.transpose(0, 1), d.unsqueeze(-1))
-        dots.append(dot)
+        torch.bmm(p.transpose(0, 1), d.unsqueeze(-1), out=dot)
         if g is None:
             continue
         # the gradient, in lp's storage: first e_a = d - Ka, e_b = -(d + Kb)
@@ -350,22 +357,19 @@ def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef
         if c1:
             lp.scatter_(-1, t, -c1, reduce="add")
         if scale_fp16:
-            lp, inv_scale = _scale_for_fp16(lp)
-            scales.append(inv_scale)
+            _scale_for_fp16(lp, inv)
         g.copy_(lp)
-    nll = torch.cat(at_target, 1).sum(0).view(n)
-    smooth = torch.cat(sums, 1).sum(0)
-    dots = torch.cat(dots, 0).view(n, 2)
-    inv_scale = torch.cat(scales) if scales else torch.ones_like(smooth)
-    stats = torch.stack([nll, smooth, dots[:, 0], dots[:, 1], inv_scale])
+    dots = dots.view(n, 2)
+    stats = torch.stack([at_target.sum(0).view(n), sums.sum(0), dots[:, 0], dots[:, 1], inv_scale])
     stats[:2].neg_()
     stats[3].neg_()
     return grad, stats
 
 
-def _scale_for_fp16(g):
-    """Scale each row pair of ``g`` (2, r, V) by a power of two so that its largest entry
-    is near :data:`_FP16_TARGET_MAX`; return it and the inverse scale per pair."""
+def _scale_for_fp16(g, inv_scale):
+    """Scale each row pair of ``g`` (2, r, V) in place by a power of two so that its largest
+    entry is near :data:`_FP16_TARGET_MAX`; write the inverse scales into ``inv_scale``."""
     biggest = g.abs().amax(dim=(0, 2)).clamp_min_(torch.finfo(torch.float32).tiny)
     exponent = torch.floor(torch.log2(_FP16_TARGET_MAX / biggest)).clamp_(-24.0, 24.0)
-    return g.mul_(torch.exp2(exponent).view(1, -1, 1)), torch.exp2(-exponent)
+    g.mul_(torch.exp2(exponent).view(1, -1, 1))
+    torch.exp2(-exponent, out=inv_scale)
