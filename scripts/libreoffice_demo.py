@@ -343,7 +343,8 @@ def train_and_score(a, size):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("work/libreoffice-demo"))
+    p.add_argument("--out", type=Path, help="where everything goes (default: "
+                   "work/libreoffice-demo, with --quick work/libreoffice-demo-quick)")
     p.add_argument("--seeds", type=int, nargs="+",
                    help="seeds of the baseline and R-Drop runs (default: 1 2 3; --quick: 1)")
     p.add_argument("--control-seeds", type=int, nargs="+",
@@ -361,6 +362,8 @@ def main(argv=None):
                    help="runs at a time (one thread each)")
     a = p.parse_args(argv)
     size = dict(SIZES["quick" if a.quick else "full"])
+    # a --quick run of its own directory: its settings differ, and a rerun must find its own
+    a.out = a.out or Path("work/libreoffice-demo" + ("-quick" if a.quick else ""))
     a.seeds = a.seeds or ([1] if a.quick else [1, 2, 3])
     a.control_seeds = a.control_seeds or a.seeds[:1]
     if a.epochs:

@@ -71,6 +71,7 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     first = demo(tmp_path, out)
     assert first.returncode == 0, first.output[-4000:]
     assert "[demo] reusing the prepared data" in first.stdout
+    assert "Please install tensorboardX" not in first.output  # setup.sh installs it
     assert "not a measurement" in first.stdout.split("| R-Drop |")[1]  # said after the table
     results = json.loads((out / "results.json").read_text())
     assert [len(c) for r in results["runs"].values() for c in r["valid_curves"]] == [2, 2]
