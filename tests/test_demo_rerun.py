@@ -58,6 +58,7 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
         seen.append(line)
         if line.startswith("[demo] training"):
             break
+    assert seen[-1].startswith("[demo] training"), "".join(seen)[-3000:]  # ended early
     time.sleep(1)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's process group
     rest, _ = proc.communicate(timeout=120)
