@@ -116,6 +116,9 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     assert continued.startswith(text[:text.index("Saved checkpoint " + str(base))])  # appended
     assert len(re.findall(r"\| valid \| epoch 001 \|", continued)) == 1
     assert len(re.findall(r"\| valid \| epoch 002 \|", continued)) == 1
+    # the update count (and with it the lr schedule) comes back only with the optimizer state
+    updates = r"\| valid \| epoch 002 \|.*\| num_updates (\d+)"
+    assert re.search(updates, continued)[1] == re.search(updates, text)[1]
     resumed = json.loads((base / "result.json").read_text())
     assert len(resumed["valid_curve"]) == 2 and resumed["valid_curve"][0] == (
         results["runs"]["baseline"]["valid_curves"][0][0])
