@@ -21,6 +21,9 @@ setup(
         # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check)
         "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8", "sentencepiece>=0.1.99",
                     "rouge-score>=0.1.2", "matplotlib>=3.5", "tokenizers>=0.13"],
+        # fairseq's --tensorboard-logdir; without it every fairseq command logs
+        # "Please install tensorboardX" (fairseq/tasks/text_to_speech.py, at import)
+        "tensorboard": ["tensorboardX>=2.1"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",
