@@ -16,8 +16,11 @@ all methods of a row in one run, so that the ratios compare like with like:
   through the real criteria (on CUDA in fp16 or bf16, as users train).
 
 Each reports the median time (CPU: wall clock; CUDA: CUDA events), the peak memory above
-the inputs (CPU: resident set high-water mark; CUDA: ``max_memory_allocated``), and the
-aten ops the step dispatches (each at least one kernel launch on CUDA) and how many of them
+the inputs (CUDA: ``max_memory_allocated``; CPU: the resident set's high-water mark, taken
+in a second run with glibc's mmap threshold fixed at 128 KiB, so that a freed tensor leaves
+the resident set: with glibc's default, freed blocks under 32 MiB stay resident and the
+peak depends on the order of allocations more than on what is alive), and the aten ops
+the step dispatches (each at least one kernel launch on CUDA) and how many of them
 synchronise the host with the GPU (``rdrop_fairseq.opcount``).
 
 Usage::
@@ -184,7 +187,7 @@ class _Clock:
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-        return statistics.median(times[1:])
+        return statistics.median(times[1:] or times)
 
 
 def run_loss(method, vocab, tokens, repeats, device="cpu", dtype="float32"):
@@ -239,9 +242,17 @@ def _rss_kib(field):
 
 
 def _in_subprocess(kind, **kw):
+    result = _worker(kind, kw)
+    if kw["device"] == "cpu" and "error" not in result:  # the peak, from a run of its own
+        peak = _worker(kind, {**kw, "repeats": 0}, {"MALLOC_MMAP_THRESHOLD_": "131072"})
+        result["peak_mib"] = peak.get("peak_mib", float("nan"))
+    return result
+
+
+def _worker(kind, kw, env=None):
     out = subprocess.run(
         [sys.executable, __file__, "_worker", json.dumps({"kind": kind, **kw})],
-        capture_output=True, text=True,
+        capture_output=True, text=True, env={**os.environ, **(env or {})},
     )
     if out.returncode:
         return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
