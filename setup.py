@@ -15,7 +15,7 @@ setup(
     install_requires=["torch>=1.13", "numpy"],
     extras_require={
         "test": ["pytest>=7", "pytest-xdist>=3"],
-        # the recipes in scripts/ (tokenisation, BPE, sentencepiece for Chinese, ROUGE, plots,
+        # rdrop_fairseq.recipes, run by scripts/*.sh (tokenisation, BPE, sentencepiece for Chinese, ROUGE, plots,
         # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check)
         "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8", "sentencepiece>=0.1.99",
                     "rouge-score>=0.1.2", "matplotlib>=3.5", "tokenizers>=0.13"],

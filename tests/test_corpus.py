@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import prepare_libreoffice_corpus as corpus  # noqa: E402
+from rdrop_fairseq.recipes import prepare_libreoffice_corpus as corpus
 
 DATA = REPO / "data" / "libreoffice-help-de-en"
 

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import evaluate_glue  # noqa: E402
-import prepare_glue  # noqa: E402
-import train_glue  # noqa: E402
-from recipe_helpers import run  # noqa: E402
+from rdrop_fairseq.recipes import evaluate_glue
+from rdrop_fairseq.recipes import prepare_glue
+from rdrop_fairseq.recipes import train_glue
+from tests.recipe_helpers import run
 
 BIN = Path(sys.executable).parent
 # roberta_base shrunk; the fine-tuning config's roberta_large values are overridden alike
@@ -138,7 +137,7 @@ def glue(tmp_path_factory):
     root = tmp_path_factory.mktemp("glue")
     bpe = write_gpt2_bpe(root / "gpt2_bpe", WORDS)
     data = write_glue(root / "glue_data")
-    log = run([sys.executable, REPO / "scripts" / "prepare_glue.py", "rte", "STS-B", "CoLA",
+    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_glue", "rte", "STS-B", "CoLA",
                "mnli", "--glue-dir", root / "glue_data", "--out", root / "bin",
                "--bpe-dir", bpe]).stdout
     # roberta.large stand-in: a masked-LM RoBERTa trained one update on RTE's text with the
@@ -303,7 +302,7 @@ def test_evaluate_command_line_errors(glue, tmp_path, capsys):
 
 
 def train(glue, task, save_dir, *args):
-    return run([sys.executable, REPO / "scripts" / "train_glue.py", task,
+    return run([sys.executable, "-m", "rdrop_fairseq.recipes.train_glue", task,
                 "--data", glue["bin"] / f"{task}-bin", "--roberta-checkpoint", glue["roberta"],
                 "--save-dir", save_dir, "--cpu", *args, "--",
                 *[f"model.{k}={v}" for k, v in TINY.items()], *FAST]).stdout
@@ -340,7 +339,7 @@ def test_finetune_with_rdrop_then_evaluate(glue, tmp_path, task, consistency, me
     best = float(re.findall(r"Saved checkpoint \S+checkpoint_best\.pt .*score ([-\d.]+)",
                             log)[-1])
 
-    out = run([sys.executable, REPO / "scripts" / "evaluate_glue.py", task.lower(),
+    out = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_glue", task.lower(),
                "--checkpoint", save / "checkpoint_best.pt", "--data", glue["bin"] / f"{task}-bin",
                "--glue-dir", glue["glue_dir"], "--bpe-dir", glue["bpe"], "--cpu",
                "--batch-size", "3", "--json", tmp_path / "m.json"])
@@ -373,7 +372,7 @@ def test_baseline_mode_is_fairseqs_sentence_prediction(glue, tmp_path):
     folder = tmp_path / "RTE"
     shutil.copytree(glue["glue_dir"] / "RTE", folder)
     shutil.copy(folder / "dev.tsv", folder / "heldout.tsv")
-    run([sys.executable, REPO / "scripts" / "evaluate_glue.py", "RTE", "--cpu",
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_glue", "RTE", "--cpu",
          "--checkpoint", tmp_path / "ckpt" / "checkpoint_best.pt", "--data",
          glue["bin"] / "RTE-bin", "--glue-dir", folder, "--bpe-dir", glue["bpe"],
          "--split", "heldout", "--split", "dev", "--json", tmp_path / "m.json"])
@@ -560,7 +559,7 @@ def test_train_validates_its_input(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         train_glue.parse_args(["RTE", "--data", str(tmp_path / "none"), "--roberta-checkpoint",
                                str(tmp_path / "model.pt"), "--save-dir", str(tmp_path)])
-    assert "no input0/dict.txt): run scripts/prepare_glue.py RTE" in capsys.readouterr().err
+    assert "no input0/dict.txt): run rdrop_fairseq.recipes.prepare_glue RTE" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_glue.parse_args(["RTE", "--data", str(tmp_path / "RTE-bin"),
                                "--roberta-checkpoint", str(tmp_path / "missing.pt"),

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import evaluate_lm  # noqa: E402
-import prepare_wikitext  # noqa: E402
-import train_lm  # noqa: E402
-from recipe_helpers import OFFLINE, run  # noqa: E402
+from rdrop_fairseq.recipes import evaluate_lm
+from rdrop_fairseq.recipes import prepare_wikitext
+from rdrop_fairseq.recipes import train_lm
+from tests.recipe_helpers import OFFLINE, run
 
 TINY_MODEL = [f"model.decoder_{k}={v}" for k, v in (
     ("layers", 1), ("embed_dim", 32), ("input_dim", 32), ("output_dim", 32),
@@ -64,7 +63,7 @@ def wikitext(tmp_path_factory):
             zf.write(root / "corpus" / "wikitext-103" / f"wiki.{split}.tokens",
                      f"wikitext-103/wiki.{split}.tokens")
     out = root / "prep"
-    log = run([sys.executable, REPO / "scripts" / "prepare_wikitext.py", "--source", archive,
+    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wikitext", "--source", archive,
                "--out", out]).stdout
     return {"bin": out / "bin", "out": out, "corpus": corpus, "log": log}
 
@@ -94,7 +93,7 @@ def test_prepare_finds_the_files_in_a_directory(tmp_path):
 def test_prepare_offline_says_to_pass_a_local_path(tmp_path):
     """The default source is the download; with no network (here: a proxy that refuses every
     connection) it fails at once, saying to pass the local zip or directory."""
-    proc = run([sys.executable, REPO / "scripts" / "prepare_wikitext.py", "--out", tmp_path],
+    proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wikitext", "--out", tmp_path],
                ok=False, env=OFFLINE)
     assert proc.returncode != 0
     assert f"cannot download {prepare_wikitext.WIKITEXT103_URL}" in proc.stderr, proc.output
@@ -118,7 +117,7 @@ def test_prepare_missing_data_is_named(tmp_path):
 
 def train(recipe, data, save_dir, *args):
     extra = TINY_MODEL + FAST + (TINY_CUTOFF if recipe == "wiki103" else [])
-    return run([sys.executable, REPO / "scripts" / "train_lm.py", recipe, "--data", data,
+    return run([sys.executable, "-m", "rdrop_fairseq.recipes.train_lm", recipe, "--data", data,
                 "--save-dir", save_dir, "--max-update", UPDATES, "--max-tokens", 256, "--cpu",
                 *args, "--", *extra]).stdout
 
@@ -141,7 +140,7 @@ def test_recipe_trains_with_rdrop_and_evaluates(wikitext, tmp_path, recipe):
     valid = [line for line in log.splitlines() if "valid on 'valid' subset" in line]
     assert valid and not any("rdrop_kl" in line for line in valid), log[-3000:]
 
-    out = run([sys.executable, REPO / "scripts" / "evaluate_lm.py", "--data", wikitext["bin"],
+    out = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_lm", "--data", wikitext["bin"],
                "--checkpoint", save / "checkpoint_best.pt", "--tokens-per-sample", 32,
                "--context-window", 16, "--cpu", "--json", tmp_path / "ppl.json"]).stdout
     m = re.search(r"^test: perplexity ([\d.]+), loss ([\d.]+) bits/token", out, re.M)
@@ -285,7 +284,7 @@ def test_wiki103_cutoffs_need_a_large_vocabulary(command, capsys):
 def test_missing_data_bin_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_lm.parse_args(["gpt", "--data", str(tmp_path), "--save-dir", str(tmp_path)])
-    assert "run scripts/prepare_wikitext.py" in capsys.readouterr().err
+    assert "run rdrop_fairseq.recipes.prepare_wikitext" in capsys.readouterr().err
 
 
 def test_evaluate_reads_fairseqs_summary_and_refuses_anything_else():
@@ -306,10 +305,10 @@ def test_evaluate_exits_non_zero_when_the_output_has_no_perplexity(wikitext, tmp
     """Through the real tool: `-- --help` makes fairseq-eval-lm print its usage and exit 0."""
     checkpoint = tmp_path / "model.pt"
     checkpoint.write_bytes(b"")
-    proc = run([sys.executable, REPO / "scripts" / "evaluate_lm.py", "--data", wikitext["bin"],
+    proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_lm", "--data", wikitext["bin"],
                 "--checkpoint", checkpoint, "--cpu", "--", "--help"], ok=False)
     assert proc.returncode != 0
     assert "error: cannot read the perplexity" in proc.stderr, proc.output[-3000:]
-    proc = run([sys.executable, REPO / "scripts" / "evaluate_lm.py", "--data", wikitext["bin"],
+    proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_lm", "--data", wikitext["bin"],
                 "--checkpoint", tmp_path / "missing.pt"], ok=False)
     assert proc.returncode != 0 and "no checkpoint" in proc.stderr

@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO))
-import evaluate_summarization  # noqa: E402
-import prepare_cnndm  # noqa: E402
-import train_summarization  # noqa: E402
-from recipe_helpers import run  # noqa: E402
+from rdrop_fairseq.recipes import evaluate_summarization
+from rdrop_fairseq.recipes import prepare_cnndm
+from rdrop_fairseq.recipes import train_summarization
+from tests.recipe_helpers import run
 
 TINY = {"encoder_layers": 1, "decoder_layers": 1, "encoder_embed_dim": 16,
         "decoder_embed_dim": 16, "encoder_ffn_embed_dim": 32, "decoder_ffn_embed_dim": 32,
@@ -96,7 +94,7 @@ def write_tiny_bart(root, dict_txt):
     import torch
 
     import rdrop_fairseq  # noqa: F401
-    from libreoffice_summarization_check import write_random_bart
+    from experiments.libreoffice_summarization_check import write_random_bart
 
     path = write_random_bart(root / "model.pt", dict_txt, TINY, seed=0, num_updates=500,
                              epoch=2)
@@ -114,7 +112,7 @@ def recipe(tmp_path_factory):
     write_bart_dict(root / "dict.txt", encoder_json, vocab_bpe, text)
     bart, n_embeddings = write_tiny_bart(root / "bart.tiny", root / "dict.txt")
     out = root / "prep"
-    log = run([sys.executable, REPO / "scripts" / "prepare_cnndm.py", "--raw", root / "cnn_dm",
+    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_cnndm", "--raw", root / "cnn_dm",
                "--out", out, "--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe,
                "--dict", bart.parent / "dict.txt"]).stdout
     return {"root": root, "corpus": corpus, "encoder_json": encoder_json,
@@ -190,7 +188,7 @@ def test_prepare_names_what_is_missing(recipe, tmp_path):
 # ------------------------------------------------------------------ fine-tune + evaluate
 
 def train(recipe, save_dir, *args):
-    return run([sys.executable, REPO / "scripts" / "train_summarization.py",
+    return run([sys.executable, "-m", "rdrop_fairseq.recipes.train_summarization",
                 "--data", recipe["bin"], "--bart-checkpoint", recipe["bart"],
                 "--save-dir", save_dir, "--max-update", UPDATES, "--max-tokens", 512,
                 "--update-freq", 1, "--cpu", *args, "--", *TINY_OVERRIDES, *FAST, *LEARN]).stdout
@@ -235,7 +233,7 @@ def test_baseline_mode_is_the_plain_fairseq_criterion(recipe, tmp_path):
 def test_evaluate_summarises_every_test_article_and_scores_rouge(finetuned, recipe, tmp_path):
     save, _ = finetuned
     sources, targets = recipe["corpus"]["test"]
-    proc = run([sys.executable, REPO / "scripts" / "evaluate_summarization.py",
+    proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_summarization",
                 "--checkpoint", save / "checkpoint_best.pt", "--data", recipe["bin"],
                 "--raw", recipe["root"] / "cnn_dm", "--encoder-json", recipe["encoder_json"],
                 "--vocab-bpe", recipe["vocab_bpe"], "--json", tmp_path / "rouge.json", "--cpu",
@@ -261,7 +259,7 @@ def test_evaluate_summarises_every_test_article_and_scores_rouge(finetuned, reci
     assert result["stemmed"] is True and "stemmed;" in out
 
     # --score-only scores the written hypotheses again, without the model
-    score = [sys.executable, REPO / "scripts" / "evaluate_summarization.py", "--score-only",
+    score = [sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_summarization", "--score-only",
              "--out", hypo, "--target", recipe["root"] / "cnn_dm" / "test.target"]
     assert m[0] in run(score).stdout
     unstemmed = run(score + ["--no-stemmer", "--json", tmp_path / "plain.json"]).stdout
@@ -278,7 +276,7 @@ def test_prepend_bos_data_is_what_the_hub_interface_feeds_the_model(finetuned, r
 
     save, _ = finetuned
     root = recipe["root"]
-    run([sys.executable, REPO / "scripts" / "prepare_cnndm.py", "--raw", root / "cnn_dm",
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_cnndm", "--raw", root / "cnn_dm",
          "--out", tmp_path, "--encoder-json", recipe["encoder_json"], "--vocab-bpe",
          recipe["vocab_bpe"], "--dict", recipe["bart"].parent / "dict.txt", "--prepend-bos"])
     bart = evaluate_summarization.load_bart(save / "checkpoint_best.pt", recipe["bin"],
@@ -505,7 +503,7 @@ def test_train_refuses_missing_inputs_and_overwriting_a_run(command, tmp_path, c
     assert "nowhere.pt not found" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_summarization.parse_args(["--data", str(tmp_path), "--save-dir", str(tmp_path)])
-    assert "run scripts/prepare_cnndm.py" in capsys.readouterr().err
+    assert "run rdrop_fairseq.recipes.prepare_cnndm" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         command("--resume")
     assert "--resume: there is no" in capsys.readouterr().err

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import train_translation  # noqa: E402
-from evaluate_translation import metric_for  # noqa: E402
-from toy_data import write_corpus  # noqa: E402
+from rdrop_fairseq.recipes import train_translation
+from rdrop_fairseq.recipes.evaluate_translation import metric_for
+from experiments.toy_data import write_corpus
 
 TINY_MODEL = [f"model.{side}_{k}={v}" for side in ("encoder", "decoder")
               for k, v in (("layers", 1), ("embed_dim", 32), ("ffn_embed_dim", 64),
@@ -86,10 +85,10 @@ def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
     write_corpus(tmp_path / "raw", {"train": 300, "valid": 20, "test": 20}, vocab=30,
                  max_len=8)
     prep = tmp_path / "prep"
-    run([sys.executable, REPO / "scripts" / "prepare_translation.py", "--raw", tmp_path / "raw",
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation", "--raw", tmp_path / "raw",
          "--out", prep, "--bpe-merges", "30"])
     save = tmp_path / "ckpt"
-    out = run([sys.executable, REPO / "scripts" / "train_translation.py", "iwslt",
+    out = run([sys.executable, "-m", "rdrop_fairseq.recipes.train_translation", "iwslt",
                "--data", prep / "bin", "--save-dir", save, "--max-update", "6",
                "--max-tokens", "4096", "--cpu", "--", *TINY_MODEL,
                "task.eval_bleu_args='{\"beam\": 1, \"max_len_b\": 10}'", "common.log_interval=1"])
@@ -100,11 +99,11 @@ def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
     assert len(epochs) >= 2
 
     avg = tmp_path / "avg.pt"
-    out = run([sys.executable, REPO / "scripts" / "average_checkpoints.py", "--inputs", save,
+    out = run([sys.executable, "-m", "rdrop_fairseq.recipes.average_checkpoints", "--inputs", save,
                "--num-epoch-checkpoints", "2", "--output", avg])
     assert "averaged 2 checkpoints" in out
 
-    out = run([sys.executable, REPO / "scripts" / "evaluate_translation.py", "iwslt",
+    out = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_translation", "iwslt",
                "--data", prep / "bin", "--checkpoint", avg, "--src", "de", "--tgt", "en",
                "--cpu", "--out", tmp_path / "gen.txt"])
     m = re.search(r"test: (\d+) sentences, tokenized BLEU \(tokenized\) = ([\d.]+)", out)
@@ -135,7 +134,7 @@ def test_prepare_iwslt_follows_fairseqs_iwslt14_recipe(tmp_path):
         tar.add(orig, arcname="de-en")
 
     out = tmp_path / "iwslt"
-    run([sys.executable, REPO / "scripts" / "prepare_iwslt.py", "--archive", archive,
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_iwslt", "--archive", archive,
          "--src", "de", "--tgt", "en", "--out", out, "--bpe-merges", "20"])
     raw_train = (out / "raw" / "train.en").read_text().splitlines()
     assert raw_train[:2] == ["House Titel", "House Beschreibung"]  # tags stripped, markup gone
@@ -157,7 +156,7 @@ def test_average_checkpoints_is_the_mean_of_the_float_parameters(tmp_path):
 
     import torch
 
-    from average_checkpoints import average, last_checkpoints
+    from rdrop_fairseq.recipes.average_checkpoints import average, last_checkpoints
 
     for i, scale in enumerate((1.0, 2.0, 6.0), start=1):
         torch.save({"model": {"w": torch.full((2, 2), scale), "h": torch.tensor([scale]).half(),
@@ -225,7 +224,7 @@ def test_prepare_wmt14_follows_fairseqs_wmt14_recipe_end_to_end(tmp_path):
                                   "test-full/newstest2014-deen-ref.de.sgm": _sgm(test_de)})
 
     out = tmp_path / "wmt"
-    log = run([sys.executable, REPO / "scripts" / "prepare_wmt14.py", "--pair", "en-de",
+    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wmt14", "--pair", "en-de",
                "--orig", orig, "--out", out, "--bpe-merges", "30", "--workers", "1"])
     tok_en = (out / "tok" / "train.en").read_text().splitlines()
     tok_de = (out / "tok" / "train.de").read_text().splitlines()
@@ -245,10 +244,10 @@ def test_prepare_wmt14_follows_fairseqs_wmt14_recipe_end_to_end(tmp_path):
     assert (out / "bin" / "test.en-de.de.bin").is_file()
 
     save = tmp_path / "ckpt"
-    run([sys.executable, REPO / "scripts" / "train_translation.py", "wmt14", "--data",
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.train_translation", "wmt14", "--data",
          out / "bin", "--save-dir", save, "--max-update", "4", "--cpu", "--", *TINY_MODEL,
          "dataset.required_batch_size_multiple=1"])  # valid holds one pair
-    result = run([sys.executable, REPO / "scripts" / "evaluate_translation.py", "wmt14",
+    result = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_translation", "wmt14",
                   "--data", out / "bin", "--src", "en", "--tgt", "de", "--cpu",
                   "--checkpoint", save / "checkpoint_last.pt", "--out", tmp_path / "gen.txt"])
     m = re.search(r"test: 2 sentences, tokenized BLEU \(tokenized\+compound\) = ([\d.]+)", result)
@@ -264,7 +263,7 @@ def _tok_en(line):
 
 
 def test_prepare_wmt14_says_which_archive_is_missing(tmp_path):
-    proc = subprocess.run([sys.executable, REPO / "scripts" / "prepare_wmt14.py", "--orig",
+    proc = subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wmt14", "--orig",
                            tmp_path, "--out", tmp_path / "out"], capture_output=True, text=True,
                           env={"PATH": str(Path(sys.executable).parent), "no_proxy": "*",
                                "http_proxy": "http://127.0.0.1:9"}, timeout=120)
@@ -300,7 +299,7 @@ def test_iwslt_en_zh_separate_sentencepiece_dictionaries_end_to_end(tmp_path):
         tar.add(orig, arcname="en-zh")
 
     out = tmp_path / "iwslt"
-    run([sys.executable, REPO / "scripts" / "prepare_iwslt.py", "--archive", archive,
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_iwslt", "--archive", archive,
          "--src", "en", "--tgt", "zh", "--out", out, "--vocab-size", "60"])
     bin_dir = out / "bin"
     assert (bin_dir / "spm.en.model").is_file() and (bin_dir / "spm.zh.model").is_file()
@@ -312,11 +311,11 @@ def test_iwslt_en_zh_separate_sentencepiece_dictionaries_end_to_end(tmp_path):
     assert "".join(zh_pieces[0].split()).replace("\u2581", "") == lines["zh"][0]
 
     save = tmp_path / "ckpt"
-    log = run([sys.executable, REPO / "scripts" / "train_translation.py", "iwslt", "--data",
+    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.train_translation", "iwslt", "--data",
                bin_dir, "--src", "en", "--tgt", "zh", "--save-dir", save, "--max-update", "4",
                "--cpu", "--", *TINY_MODEL, "dataset.required_batch_size_multiple=1"])
     assert "++model.share_all_embeddings=false" in log and "++task.eval_bleu=false" in log
-    result = run([sys.executable, REPO / "scripts" / "evaluate_translation.py", "iwslt",
+    result = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_translation", "iwslt",
                   "--data", bin_dir, "--src", "en", "--tgt", "zh", "--cpu",
                   "--checkpoint", save / "checkpoint_best.pt", "--out", tmp_path / "gen.txt"])
     m = re.search(r"test: 12 sentences, sacreBLEU = ([\d.]+) .*tok:zh", result)
@@ -333,7 +332,7 @@ def test_iwslt_en_zh_separate_sentencepiece_dictionaries_end_to_end(tmp_path):
 ])
 def test_prepare_translation_refuses_settings_that_cannot_work(tmp_path, argv, message,
                                                                capsys):
-    import prepare_translation
+    from rdrop_fairseq.recipes import prepare_translation
 
     with pytest.raises(SystemExit):
         prepare_translation.parse_args(["--raw", str(tmp_path), "--out", str(tmp_path), *argv])
@@ -341,7 +340,7 @@ def test_prepare_translation_refuses_settings_that_cannot_work(tmp_path, argv, m
 
 
 def test_non_printing_characters_become_spaces_and_punctuation_is_normalised():
-    import prepare_translation
+    from rdrop_fairseq.recipes import prepare_translation
 
     line = "a\u200bb\x07c \u201ed\u201c e\u2026"
     out = prepare_translation._process(line, "de", normalize=True, aggressive_dash=False,
