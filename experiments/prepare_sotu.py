@@ -20,7 +20,7 @@ What it writes into ``OUT``:
    10th to test and the rest to train. The position counts in the whole package, so
    ``--since YEAR`` (keep the addresses from YEAR on: a CPU-sized subset) does not move an
    address to another split.
-3. ``bin/``: the data-bin for rdrop_fairseq.recipes.train_lm and rdrop_fairseq.recipes.evaluate_lm, binarized by
+3. ``bin/``: the data-bin for scripts/wikitext103.sh (OUT is its DATA_DIR), binarized by
    rdrop_fairseq.recipes.prepare_wikitext (``fairseq-preprocess --only-source``).
 4. ``SOURCE.md``: package, version, licence, the settings and which address went where.
 

@@ -7,17 +7,18 @@ path) and a regression (year, STS-B's path), over several seeds.
 
 1. prepare_sotu_glue.prepare: TSVs, a GPT-2-format BPE built from train, data-bins;
 2. for each task, mode (baseline, rdrop with the recipe's alpha: 1.0 for SST-2 and STS-B)
-   and seed: rdrop_fairseq.recipes.train_glue --from-scratch --cpu with a small roberta_base-family
-   model (MODEL below; there is no pre-trained RoBERTa offline), checkpoint_best.pt picked
-   on valid by the task's metric; then rdrop_fairseq.recipes.evaluate_glue on valid (dev.tsv) and on
-   the held-out test addresses (heldout.tsv). --jobs runs at a time, one thread each;
+   and seed: scripts/glue.sh train with FROM_SCRATCH=1 on the CPU, a small
+   roberta_base-family model (MODEL below; there is no pre-trained RoBERTa offline),
+   checkpoint_best.pt picked on valid by the task's metric; then scripts/glue.sh evaluate on
+   valid (dev.tsv) and on the held-out test addresses (heldout.tsv). --jobs runs at a time,
+   one thread each;
 3. WORK/results.md: mean +- sample std over the seeds per mode, with the majority class
    (of train) as the party task's floor; WORK/results.json: every run's numbers.
-A run whose folder holds the results of the same train_glue.py command (its train.log
-starts with it) on the same data (a copy of splits.json) is kept, so running the check
+A run whose folder holds the results of the same training command (its train.log starts
+with what the script prints, which DRY_RUN=1 prints too) on the same data (a copy of splits.json) is kept, so running the check
 again finishes an interrupted one.
 
-Anything after -- is passed to every train_glue.py run as hydra overrides (e.g. a smaller
+Anything after -- is passed to every training run as hydra overrides (e.g. a smaller
 model for a quick try). Environment variable: SOURCE.
 """
 
@@ -34,11 +35,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import evaluate_glue  # noqa: E402
-from rdrop_fairseq.recipes import prepare_glue, train_glue
-from rdrop_fairseq.recipes.common import parse_with_overrides
+from rdrop_fairseq.recipes import evaluate_glue, prepare_glue
 
 from . import prepare_sotu, prepare_sotu_glue
+from .common import parse_with_overrides, recipe_script
 
 MODES = ("baseline", "rdrop")
 # roberta_base's family, shrunk to train on a CPU in minutes; lr for training from scratch
@@ -48,29 +48,31 @@ MODEL = {"encoder_layers": 2, "encoder_embed_dim": 64, "encoder_ffn_embed_dim": 
 LR = 1e-3
 MAX_UPDATE = {"party": 500, "year": 200}  # about 6 and 0.85 epochs of the default data
 SPLITS = {"valid": "dev", "test": "heldout"}
+PAPER_ALPHA = {"SST-2": 1.0, "STS-B": 1.0}  # scripts/glue.sh's (the paper's table)
 
 
 def train_and_evaluate(run, bins, work, overrides, alpha):
-    """One run: train_glue.py, then evaluate_glue.py on dev and heldout; its results."""
+    """One run: scripts/glue.sh train, then evaluate on dev and heldout; its results."""
     task, mode, seed = run["task"], run["mode"], run["seed"]
     glue_task = prepare_sotu_glue.TASKS[task]
     save = work / "checkpoints" / f"{task}-{mode}-seed{seed}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    args = [glue_task, "--from-scratch", "--cpu", "--data", str(bins[task]),
-            "--save-dir", str(save), "--mode", mode, "--seed", str(seed),
-            "--max-update", str(run["max_update"])]
+    variables = dict(TASK=glue_task, FROM_SCRATCH=1, DATA_DIR=bins[task].parent,
+                     SAVE_DIR=save, MODE=mode, SEED=seed, MAX_UPDATE=run["max_update"])
     if mode == "rdrop" and alpha is not None:
-        args += ["--alpha", str(alpha)]
-    args += ["--", *[f"model.{k}={v}" for k, v in MODEL.items()], f"optimization.lr=[{LR}]",
-             "optimization.max_epoch=0", "dataset.num_workers=0", "common.log_interval=100",
-             "common.no_progress_bar=true", *overrides]
+        variables["ALPHA"] = alpha
+    train = recipe_script("glue", "train", *[f"model.{k}={v}" for k, v in MODEL.items()],
+                          f"optimization.lr=[{LR}]", "optimization.max_epoch=0",
+                          "dataset.num_workers=0", "common.log_interval=100",
+                          "common.no_progress_bar=true", *overrides, **variables)
     log, metrics, data = save / "train.log", save / "metrics.json", save / "data.json"
-    # a finished run of this very command (train_glue.py logs it first) on the same data
-    # (prepare_sotu_glue's splits.json) is kept
-    command = "[train] " + " ".join(train_glue.hydra_command(train_glue.parse_args(args)))
+    # a finished run of this very command (the script prints it first: what a dry run prints)
+    # on the same data (prepare_sotu_glue's splits.json) is kept
+    command = subprocess.run(train[:1] + ["DRY_RUN=1"] + train[1:], capture_output=True,
+                             text=True, check=True).stdout
     splits = (work / "data" / "splits.json").read_text()
     if (metrics.is_file() and data.is_file() and data.read_text() == splits
-            and log.read_text().startswith(command + "\n")):
+            and log.read_text().startswith(command)):
         print(f"[check] {task} {mode} seed {seed}: done before, kept ({save})", flush=True)
         return {**run, "train_seconds": None, "kept": True,
                 **{split: json.loads(metrics.read_text())["metrics"][name]
@@ -81,15 +83,15 @@ def train_and_evaluate(run, bins, work, overrides, alpha):
     data.write_text(splits)
     start = time.time()
     with open(log, "w") as f:
-        code = subprocess.call([sys.executable, "-m", "rdrop_fairseq.recipes.train_glue", *args],
-                               stdout=f, stderr=subprocess.STDOUT, env=env)
+        code = subprocess.call(train, stdout=f, stderr=subprocess.STDOUT, env=env)
     seconds = time.time() - start
     if code:
         raise SystemExit(f"error: {task} {mode} seed {seed} failed (exit {code}); see {log}")
-    cmd = [sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_glue", glue_task, "--cpu",
-           "--checkpoint", save / "checkpoint_best.pt", "--data", bins[task],
-           "--glue-dir", bins[task].parent, "--bpe-dir", work / "data" / "gpt2_bpe",
-           *[x for name in SPLITS.values() for x in ("--split", name)], "--json", metrics]
+    cmd = recipe_script("glue", "evaluate",
+                        *[x for name in SPLITS.values() for x in ("--split", name)],
+                        "--json", metrics, TASK=glue_task, DATA_DIR=bins[task].parent,
+                        SAVE_DIR=save, GLUE_DIR=bins[task].parent,
+                        BPE_DIR=work / "data" / "gpt2_bpe")
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env)
     if proc.returncode:
         raise SystemExit(f"error: evaluating {save} failed:\n{proc.stderr[-3000:]}")
@@ -188,8 +190,8 @@ def main(argv=None):
                                          per_address=a.per_address or None)
     except prepare_glue.GlueDataError as e:
         sys.exit(f"error: {e}")
-    alphas = {task: a.alpha if a.alpha is not None else
-              train_glue.TASKS[prepare_sotu_glue.TASKS[task]].alpha for task in MAX_UPDATE}
+    alphas = {task: a.alpha if a.alpha is not None else PAPER_ALPHA[prepare_sotu_glue.TASKS[task]]
+              for task in MAX_UPDATE}
     runs = [{"task": task, "mode": mode, "seed": seed,
              "max_update": getattr(a, f"{task}_updates")}
             for task in MAX_UPDATE for seed in a.seeds for mode in MODES]

@@ -5,12 +5,12 @@ trained on the U.S. State of the Union addresses, baseline vs R-Drop, over seeds
 Steps, each through the recipe scripts (subprocesses; nothing here re-implements them):
 1. experiments.prepare_sotu --since SINCE: the addresses from SINCE on, split by address,
    in the WikiText layout, binarized into WORK/data/bin;
-2. rdrop_fairseq.recipes.train_lm gpt --cpu for each mode (baseline; R-Drop with the recipe's alpha 1)
-   and seed, with the small model of MODEL below (the recipe's dropout, optimizer and shared
+2. scripts/wikitext103.sh train (ARCH=gpt, on the CPU) for each mode (baseline; R-Drop with
+   the recipe's alpha 1) and seed, with the small model of MODEL below (the recipe's dropout, optimizer and shared
    embeddings; TRAINING: lr 2e-3, 100 warm-up updates). Each run trains until validation
    loss has not improved for PATIENCE epochs, or for MAX_EPOCH epochs. At most --jobs runs
    at a time, each on one thread; every run starts from scratch in WORK/runs/MODE-sSEED;
-3. rdrop_fairseq.recipes.evaluate_lm on the test and valid splits of each run's checkpoint_best.pt
+3. scripts/wikitext103.sh evaluate (rdrop_fairseq.recipes.evaluate_lm) on the test and valid splits of each run's checkpoint_best.pt
    (the epoch of lowest validation loss), tokens per sample 128, context window 64;
 4. a markdown table: per run the best validation perplexity (fairseq's validation during
    training, independent 128-token blocks), the test perplexity (evaluate_lm.py), the
@@ -20,7 +20,7 @@ Steps, each through the recipe scripts (subprocesses; nothing here re-implements
     python -m experiments.sotu_lm_check --work work/sotu-lm                 # downloads the package
     python -m experiments.sotu_lm_check --source datasets-sotu-0.2.3.tgz --work work/sotu-lm
 
-Anything after -- is passed to every train_lm.py run as hydra overrides (after MODEL's).
+Anything after -- is passed to every training run as hydra overrides (after MODEL's).
 Environment variables: SOURCE, WORK. Cost (measured, defaults): an epoch takes about 36
 CPU-seconds for the baseline and 81-88 for R-Drop; the runs stopped after 11-16 epochs,
 58 CPU-minutes of training in all.
@@ -38,8 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from rdrop_fairseq.recipes.common import parse_with_overrides
-
+from .common import parse_with_overrides, recipe_script
 from .prepare_sotu import SOTU_URL
 
 SINCE = 1985  # 29 training addresses: 173k words
@@ -88,12 +87,11 @@ def train_and_evaluate(a, data, mode, seed):
         shutil.rmtree(run_dir)  # fairseq would resume from an old checkpoint_last.pt
     run_dir.mkdir(parents=True)
     print(f"[check] {name}: training (log {run_dir / 'train.log'})", flush=True)
-    code, minutes, cpu = run_logged(
-        [sys.executable, "-m", "rdrop_fairseq.recipes.train_lm", "gpt", "--data", data,
-         "--save-dir", run_dir / "checkpoints", "--mode", mode, "--seed", seed, "--cpu", "--max-tokens",
-         MAX_TOKENS, "--update-freq", 1, "--", *MODEL, *TRAINING,
-         f"optimization.max_epoch={a.max_epoch}", f"checkpoint.patience={a.patience}",
-         *a.overrides], run_dir / "train.log")
+    paths = dict(ARCH="gpt", DATA_DIR=data.parent, SAVE_DIR=run_dir / "checkpoints")
+    code, minutes, cpu = run_logged(recipe_script(
+        "wikitext103", "train", *MODEL, *TRAINING, f"optimization.max_epoch={a.max_epoch}",
+        f"checkpoint.patience={a.patience}", *a.overrides, MODE=mode, SEED=seed,
+        MAX_TOKENS=MAX_TOKENS, UPDATE_FREQ=1, **paths), run_dir / "train.log")
     curve = validation_curve((run_dir / "train.log").read_text(errors="replace"))
     if code != 0 or not curve:
         raise SystemExit(f"error: training {name} failed (exit code {code}); see "
@@ -106,11 +104,10 @@ def train_and_evaluate(a, data, mode, seed):
           f"{best[2]:.2f} (epoch {best[0]}); evaluating", flush=True)
     for subset in ("test", "valid"):
         out = run_dir / f"{subset}.json"
-        code, _, _ = run_logged(
-            [sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_lm", "--data", data,
-             "--checkpoint", run_dir / "checkpoints" / "checkpoint_best.pt", "--subset", subset, "--cpu",
-             "--tokens-per-sample", TOKENS_PER_SAMPLE, "--context-window", CONTEXT_WINDOW,
-             "--json", out], run_dir / f"{subset}.log")
+        code, _, _ = run_logged(recipe_script(
+            "wikitext103", "evaluate", "--subset", subset, "--tokens-per-sample",
+            TOKENS_PER_SAMPLE, "--context-window", CONTEXT_WINDOW, "--json", out, **paths),
+            run_dir / f"{subset}.log")
         if code != 0:
             raise SystemExit(f"error: evaluating {name} on {subset} failed (exit code {code});"
                              f" see {run_dir / f'{subset}.log'}")

@@ -7,7 +7,7 @@
 #   GPUS=4 DRY_RUN=1 bash scripts/wmt14.sh train     # fp16, update-freq 32: print only
 #
 # Environment: PAIR (en-de or en-fr; default en-de), ORIG (where the official archives are,
-# or are downloaded to; default DATA_DIR/orig), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline,
+# or are downloaded to; default wmt14-orig beside DATA_DIR, shared by both pairs), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline,
 # no-kl, doubled-batch), ALPHA, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES,
 # NODE_RANK, MASTER_ADDR, MASTER_PORT, AVERAGE (epoch checkpoints averaged before the test;
 # 0: checkpoint_best.pt), FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).
@@ -33,7 +33,7 @@ prepare() {
   # fairseq's prepare-wmt14en2{de,fr}.sh in Python: Moses normalisation and tokenisation
   # (aggressive hyphen splitting), ~32k joint BPE, newstest2014 as the test set
   run "$PYTHON" -m rdrop_fairseq.recipes.prepare_wmt14 --pair "$PAIR" \
-      --orig "${ORIG:-$DATA_DIR/orig}" --out "$DATA_DIR" "${EXTRA[@]}"
+      --orig "${ORIG:-$(dirname "$DATA_DIR")/wmt14-orig}" --out "$DATA_DIR" "${EXTRA[@]}"
 }
 
 train() {

@@ -1,13 +1,13 @@
 """The LibreOffice help corpus: the builder on a tiny help tree, and the committed data."""
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
 from rdrop_fairseq.recipes import prepare_libreoffice_corpus as corpus
+
+REPO = Path(__file__).resolve().parents[1]
 
 DATA = REPO / "data" / "libreoffice-help-de-en"
 

@@ -122,6 +122,7 @@ def test_mode_and_alpha_errors():
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     _, proc = dry_run("iwslt14", "fit", ok=False)
     assert "unknown stage 'fit'" in proc.stderr
+    assert script("glue", "--help").stdout.startswith("GLUE with R-Drop")  # the header
 
 
 def test_several_nodes_use_fairseqs_distributed_options():
@@ -238,3 +239,19 @@ def test_plugin_import_loads_neither_the_recipes_nor_the_fairseq_fixes():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=REPO).stdout
     assert out.split() == ["[]", "fairseq.ngram_repeat_block"]
+
+
+@pytest.mark.parametrize("module, args", [
+    ("prepare_iwslt", ["--archive", "{tmp}/none.tgz", "--src", "de", "--tgt", "en"]),
+    ("prepare_wikitext", ["--source", "{tmp}/none"]),
+    ("prepare_wmt14", ["--orig", "{tmp}/orig"]),  # nothing to download offline
+])
+def test_a_failed_prepare_is_one_line_and_leaves_no_half_made_output(tmp_path, module, args):
+    from tests.recipe_helpers import OFFLINE, run
+
+    out = tmp_path / "out"
+    proc = run([sys.executable, "-m", f"rdrop_fairseq.recipes.{module}", "--out", out,
+                *[a.format(tmp=tmp_path) for a in args]], ok=False, env=OFFLINE)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "error" in line]) == 1, proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no OUT, no empty download folder

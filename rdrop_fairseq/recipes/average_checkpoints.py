@@ -10,7 +10,6 @@ first checkpoint (config, non-float buffers, metadata) is kept, its optimizer st
     python -m rdrop_fairseq.recipes.average_checkpoints --inputs a.pt b.pt c.pt --output avg.pt
 """
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint_compat import allow_fairseq_checkpoint_globals
+from .common import ArgumentParser
 
 
 def last_checkpoints(save_dir, n, pattern):
@@ -54,7 +54,7 @@ def average(paths):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--inputs", nargs="+", required=True,
                    help="checkpoint files, or one directory with --num-*-checkpoints")
     p.add_argument("--output", required=True)

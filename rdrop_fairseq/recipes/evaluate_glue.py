@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from . import prepare_glue
+from .common import ArgumentParser
 
 METRICS = {
     "CoLA": ("mcc",),
@@ -180,7 +181,7 @@ env = os.environ.get  # an option's default: its environment variable
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("task", help=f"{', '.join(METRICS)} (any case)")

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .common import PLUGIN, fairseq_cli
+from .common import ArgumentParser, PLUGIN, fairseq_cli
 
 TOKENS_PER_SAMPLE = 512
 CONTEXT_WINDOW = 400
@@ -82,7 +82,7 @@ def run(cmd):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--data", default=os.environ.get("DATA"), help="the data-bin")

@@ -3,11 +3,14 @@
 
 Decoding as the paper and fairseq's examples/bart: beam 4, length penalty 2.0, max_len_b 140,
 min_len 55, no repeated trigrams, through fairseq's BART hub interface
-(``BARTModel.from_pretrained``) with the local GPT-2 BPE files. ROUGE is the ``rouge-score``
-package: F-measure with Porter stemming (``--no-stemmer``: without), averaged over the
-documents, times 100. ROUGE-L is the summary-level ROUGE-L of ROUGE-1.5.5 / files2rouge
-(which the paper used), i.e. ``rougeLsum`` over sentences split at ". ", "! ", "? " (one a
-line); see docs/summarization.md for how the two tools compare.
+(``BARTModel.from_pretrained``) with the local GPT-2 BPE files. ROUGE follows the protocol
+of files2rouge (the authors' tool, a wrapper around the Perl ROUGE-1.5.5) on tokenised text
+(fairseq's BART README), with the ``rouge-score`` package: F-measure averaged over the
+documents, times 100, no stemming (files2rouge's ROUGE-1.5.5 arguments ``-c 95 -r 1000 -n 2
+-a``; ``--stemmer``: Porter stemming, ROUGE-1.5.5's ``-m``); hypotheses and references
+Moses-tokenised (sacremoses, for the Stanford PTB tokenizer) and split into sentences at
+" . " as files2rouge does, one a line, so that ROUGE-L is ROUGE-1.5.5's summary-level
+ROUGE-L (``rougeLsum``). docs/summarization.md lists what still differs.
 
     python -m rdrop_fairseq.recipes.evaluate_summarization --data work/cnn_dm/bin --raw cnn_dm \\
         --checkpoint checkpoints/cnndm-rdrop/checkpoint_best.pt \\
@@ -24,16 +27,14 @@ GPT2_VOCAB_BPE.
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
-from .common import PLUGIN
+from .common import ArgumentParser, PLUGIN
 
 DECODING = {"beam": 4, "lenpen": 2.0, "max_len_b": 140, "min_len": 55,
             "no_repeat_ngram_size": 3}
 ROUGE_KEYS = ("rouge1", "rouge2", "rougeLsum", "rougeL")
-SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
 def read_lines(path):
@@ -42,25 +43,31 @@ def read_lines(path):
         return [line.rstrip("\r\n") for line in f]
 
 
-def split_sentences(text):
-    """One sentence a line, for rougeLsum: split after ., ! or ? followed by whitespace."""
-    return "\n".join(s for s in SENTENCE_END.split(text.strip()) if s)
+def split_sentences(text, tokenizer):
+    """One sentence a line, for rougeLsum, as files2rouge splits PTB-tokenised text: the
+    text tokenised (Moses here: a sentence-final period becomes a token of its own, ``U.S.``
+    stays one), then split at every " . " (files2rouge's ``--eos``)."""
+    tokens = tokenizer.tokenize(text.strip(), escape=False, return_str=True)
+    return " .\n".join(tokens.split(" . "))
 
 
-def rouge(hypotheses, references, stem=True):
+def rouge(hypotheses, references, stem=False):
     """Mean F-measure x 100 of rouge1, rouge2, rougeLsum (summary-level ROUGE-L) and rougeL
-    (ROUGE-L over the whole text as one sequence), with Porter stemming unless ``stem`` is
-    false, as rouge-score computes them."""
+    (ROUGE-L over the whole text as one sequence), as rouge-score computes them; Porter
+    stemming with ``stem``."""
     from rouge_score import rouge_scorer
+    from sacremoses import MosesTokenizer
 
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
     if not references:
         raise ValueError("nothing to score")
     scorer = rouge_scorer.RougeScorer(list(ROUGE_KEYS), use_stemmer=stem)
+    tokenizer = MosesTokenizer(lang="en")
     totals = dict.fromkeys(ROUGE_KEYS, 0.0)
     for hyp, ref in zip(hypotheses, references):
-        scores = scorer.score(target=split_sentences(ref), prediction=split_sentences(hyp))
+        scores = scorer.score(target=split_sentences(ref, tokenizer),
+                              prediction=split_sentences(hyp, tokenizer))
         for key in ROUGE_KEYS:
             totals[key] += scores[key].fmeasure
     return {key: 100 * total / len(references) for key, total in totals.items()}
@@ -125,7 +132,7 @@ def summarize(bart, sources, out, batch_size=32, decoding=None):
 
 def parse_args(argv=None):
     env = os.environ.get
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--checkpoint", default=env("CHECKPOINT"),
@@ -145,9 +152,9 @@ def parse_args(argv=None):
     p.add_argument("--json", help="also write the scores to this JSON file")
     p.add_argument("--score-only", action="store_true",
                    help="score the hypotheses in --out against --target; generate nothing")
-    p.add_argument("--no-stemmer", action="store_true",
-                   help="ROUGE without Porter stemming (files2rouge's default arguments do "
-                        "not stem; see docs/summarization.md)")
+    p.add_argument("--stemmer", action=argparse.BooleanOptionalAction, default=False,
+                   help="ROUGE with Porter stemming (ROUGE-1.5.5's -m); the default is "
+                        "files2rouge's, without (see docs/summarization.md)")
     p.add_argument("--batch-size", type=int, default=32, help="articles per batch")
     p.add_argument("--beam", type=int, default=DECODING["beam"])
     p.add_argument("--lenpen", type=float, default=DECODING["lenpen"])
@@ -209,14 +216,14 @@ def main(argv=None):
     if len(hypotheses) != len(references):
         sys.exit(f"error: {out} has {len(hypotheses)} summaries but {a.target} has "
                  f"{len(references)}")
-    scores = rouge(hypotheses, references, stem=not a.no_stemmer)
-    stemming = "not stemmed" if a.no_stemmer else "stemmed"
+    scores = rouge(hypotheses, references, stem=a.stemmer)
+    stemming = "stemmed" if a.stemmer else "not stemmed"
     print(f"{a.split}: {len(hypotheses)} summaries, ROUGE-1 {scores['rouge1']:.2f}, "
           f"ROUGE-2 {scores['rouge2']:.2f}, ROUGE-L {scores['rougeLsum']:.2f} "
           f"(rouge-score F1 x 100, {stemming}; ROUGE-L = summary-level rougeLsum; "
           f"sentence-level rougeL {scores['rougeL']:.2f})\n(hypotheses: {out})", flush=True)
     if a.json:
-        result = {**{k: round(v, 4) for k, v in scores.items()}, "stemmed": not a.no_stemmer,
+        result = {**{k: round(v, 4) for k, v in scores.items()}, "stemmed": a.stemmer,
                   "summaries": len(hypotheses), "hypotheses": str(out),
                   "references": str(a.target)}
         if not a.score_only:

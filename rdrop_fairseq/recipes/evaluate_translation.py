@@ -8,16 +8,21 @@ Data prepared with sentencepiece (``spm*.model`` in the data-bin, e.g. En<->Zh) 
 with ``--remove-bpe sentencepiece``, which gives detokenised text, scored with sacreBLEU
 (its ``zh`` tokenisation for Chinese references).
 
-    python -m rdrop_fairseq.recipes.evaluate_translation iwslt --data work/iwslt14.de-en/bin --src de --tgt en \\
-        --checkpoint checkpoints/iwslt14-rdrop/checkpoint_best.pt
-    # the paper's checkpoint averaging first:
-    python -m rdrop_fairseq.recipes.average_checkpoints --inputs SAVE_DIR --num-epoch-checkpoints 5 --output avg.pt
+    python -m rdrop_fairseq.recipes.evaluate_translation iwslt --data work/iwslt14.de-en/bin \\
+        --src de --tgt en --checkpoint checkpoints/iwslt14-rdrop/checkpoint_best.pt
+    # WMT14 as the authors: the average of the last 10 epoch checkpoints first
+    python -m rdrop_fairseq.recipes.average_checkpoints --inputs SAVE_DIR \\
+        --num-epoch-checkpoints 10 --output SAVE_DIR/checkpoint.avg10.pt
 
-Writes ``OUT`` (default: next to the checkpoint, ``generate-SUBSET.txt``) and prints the score.
+scripts/iwslt14.sh and scripts/wmt14.sh run these in their evaluate stage.
+
+Writes ``OUT`` (default: next to the checkpoint, ``generate-SUBSET.txt``) and prints the
+paper's score first, then the other two of the same output beside it (tokenized BLEU with
+and without compound splitting, sacreBLEU on the Moses-detokenised text; the authors'
+scripts pipe every language pair through compound splitting and print sacreBLEU too).
 Environment variables: DATA, CHECKPOINT, SRC, TGT.
 """
 
-import argparse
 import os
 import subprocess
 import sys
@@ -27,7 +32,7 @@ from sacremoses import MosesDetokenizer
 
 import sacrebleu
 
-from .common import PLUGIN, fairseq_cli
+from .common import ArgumentParser, PLUGIN, fairseq_cli
 from .score_bleu import read_generate_output, tokenized_bleu
 
 DECODING = {"iwslt": {"beam": 5, "lenpen": 1.0}, "wmt14": {"beam": 4, "lenpen": 0.6}}
@@ -84,7 +89,7 @@ def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test",
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("recipe", choices=sorted(DECODING))
     p.add_argument("--data", default=os.environ.get("DATA"), required="DATA" not in os.environ)
     p.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT"),
@@ -108,7 +113,13 @@ def main(argv=None):
     out = Path(a.out) if a.out else checkpoint.with_name(f"generate-{a.subset}.txt")
     line, _, count = generate_and_score(a.data, checkpoint, out, a.src, a.tgt, a.subset, beam,
                                         lenpen, metric, a.batch_size, a.cpu)
-    print(f"{a.subset}: {count} sentences, {line}\n(output: {out})")
+    print(f"{a.subset}: {count} sentences, {line}")
+    if not uses_sentencepiece(a.data):  # the other BLEUs of the same output, for comparison
+        hyps, refs = read_generate_output(out)
+        for other in ("tokenized", "tokenized+compound", "sacrebleu"):
+            if other != metric:
+                print(f"  beside it: {score(other, hyps, refs, a.tgt)[0]}")
+    print(f"(output: {out})")
 
 
 if __name__ == "__main__":

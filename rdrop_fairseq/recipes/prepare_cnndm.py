@@ -38,7 +38,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .common import fairseq_cli
+from .common import ArgumentParser, fairseq_cli, made_or_removed
 
 SPLITS = ("train", "val", "test")
 REQUIRED_SPLITS = ("train", "val")
@@ -142,7 +142,7 @@ def binarize(bpe_dir, dest, dict_txt, splits, workers):
 
 def parse_args(argv=None):
     env = os.environ.get
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--raw", default=env("RAW"),
@@ -168,15 +168,16 @@ def main(argv=None):
     a = parse_args(argv)
     splits = check_inputs(a.raw, a.encoder_json, a.vocab_bpe, a.dict)
     raw, out = Path(a.raw), Path(a.out)
-    if "test" not in splits:
-        print("[prepare] no test.{source,target}: binarizing train and val only", flush=True)
-    for split in splits:
-        for side in SIDES:
-            n = bpe_encode_file(raw / f"{split}.{side}", out / "bpe" / f"{split}.bpe.{side}",
-                                a.encoder_json, a.vocab_bpe, a.workers, a.prepend_bos)
-            print(f"[prepare] {split}.{side}: {n} lines GPT-2 BPE encoded", flush=True)
-    binarize(out / "bpe", out / "bin", a.dict, splits, a.workers)
-    print(f"[prepare] data-bin: {out / 'bin'}", flush=True)
+    with made_or_removed(out):  # a failure leaves no half-made OUT
+        if "test" not in splits:
+            print("[prepare] no test.{source,target}: binarizing train and val only", flush=True)
+        for split in splits:
+            for side in SIDES:
+                n = bpe_encode_file(raw / f"{split}.{side}", out / "bpe" / f"{split}.bpe.{side}",
+                                    a.encoder_json, a.vocab_bpe, a.workers, a.prepend_bos)
+                print(f"[prepare] {split}.{side}: {n} lines GPT-2 BPE encoded", flush=True)
+        binarize(out / "bpe", out / "bin", a.dict, splits, a.workers)
+        print(f"[prepare] data-bin: {out / 'bin'}", flush=True)
 
 
 if __name__ == "__main__":

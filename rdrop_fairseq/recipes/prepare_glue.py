@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
 
+from .common import ArgumentParser, made_or_removed
+
 
 @dataclass(frozen=True)
 class GlueTask:
@@ -276,7 +278,7 @@ env = os.environ.get  # an option's default: its environment variable
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("tasks", nargs="+", metavar="TASK",
@@ -327,8 +329,10 @@ def main(argv=None):
         for task in a.tasks:
             task_dir(a.glue_dir, task)  # fail before any work when a task is missing
         for task in a.tasks:
-            prepare_task(task, a.glue_dir, Path(a.out) / f"{task}-bin", a.encoder_json,
-                         a.vocab_bpe, a.dict, a.workers, a.stsb_scale)
+            out = Path(a.out) / f"{task}-bin"
+            with made_or_removed(out):  # a failure leaves no half-made OUT/TASK-bin
+                prepare_task(task, a.glue_dir, out, a.encoder_json, a.vocab_bpe, a.dict,
+                             a.workers, a.stsb_scale)
     except GlueDataError as e:
         sys.exit(f"error: {e}")
 

@@ -19,13 +19,14 @@ lower-casing, training pairs of 1-175 pieces without a length-ratio filter (Chin
 English piece counts are not comparable), ``--vocab-size`` pieces per language.
 """
 
-import argparse
 import re
 import subprocess
 import sys
 import tarfile
 import urllib.request
 from pathlib import Path
+
+from .common import ArgumentParser, made_or_removed
 
 IWSLT14_DE_EN_URL = "http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz"
 _MARKUP = ("<url>", "<talkid>", "<keywords>")
@@ -93,7 +94,7 @@ def extract(archive, src, tgt, raw):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--archive", required=True, help=f"path or URL (de-en: {IWSLT14_DE_EN_URL})")
     p.add_argument("--src", required=True)
     p.add_argument("--tgt", required=True)
@@ -101,18 +102,19 @@ def main():
     p.add_argument("--bpe-merges", type=int, default=10000)
     p.add_argument("--vocab-size", type=int, default=10000, help="per language, for zh pairs")
     a = p.parse_args()
-    a.out.mkdir(parents=True, exist_ok=True)
-    archive = fetch(a.archive, a.out)
-    extract(archive, a.src, a.tgt, a.out / "raw")
-    if "zh" in (a.src, a.tgt):
-        subword = ["--subword", "sentencepiece", "--separate-dictionaries",
-                   "--vocab-size", str(a.vocab_size), "--max-ratio", "0"]
-    else:
-        subword = ["--lowercase", "--bpe-merges", str(a.bpe_merges), "--max-ratio", "1.5"]
-    subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",
-                    "--raw", str(a.out / "raw"), "--src", a.src, "--tgt", a.tgt,
-                    "--out", str(a.out), "--max-len", "175", "--valid-from-train", "23",
-                    *subword], check=True)
+    with made_or_removed(a.out):  # a failure leaves no half-made OUT
+        a.out.mkdir(parents=True, exist_ok=True)
+        archive = fetch(a.archive, a.out)
+        extract(archive, a.src, a.tgt, a.out / "raw")
+        if "zh" in (a.src, a.tgt):
+            subword = ["--subword", "sentencepiece", "--separate-dictionaries",
+                       "--vocab-size", str(a.vocab_size), "--max-ratio", "0"]
+        else:
+            subword = ["--lowercase", "--bpe-merges", str(a.bpe_merges), "--max-ratio", "1.5"]
+        subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",
+                        "--raw", str(a.out / "raw"), "--src", a.src, "--tgt", a.tgt,
+                        "--out", str(a.out), "--max-len", "175", "--valid-from-train", "23",
+                        *subword], check=True)
 
 
 if __name__ == "__main__":

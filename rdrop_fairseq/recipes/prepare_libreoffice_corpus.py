@@ -20,7 +20,6 @@ whitespace-normalised, so they hold no tab) and ``SOURCE.md`` (package versions,
 licence). ``read_pairs`` reads a split back.
 """
 
-import argparse
 import hashlib
 import html.parser
 import lzma
@@ -29,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from .common import ArgumentParser, made_or_removed
 
 ID_PATTERN = re.compile(r"^(par_id|hd_id)\w*$")
 SPLIT_PERCENT = {"valid": 5, "test": 5}  # the rest is train
@@ -183,7 +184,7 @@ def read_pairs(path):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--deb", action="append", help="a libreoffice-help-{de,en-us} .deb file")
     src.add_argument("--help-root", help="a directory holding de/ and en-US/ help trees")
@@ -197,7 +198,8 @@ def main():
             root, sources = extract_debs(a.deb, tmp), package_versions(a.deb)
         else:
             root, sources = a.help_root, [f"help tree {a.help_root}"]
-        counts = write(build_splits(aligned_pairs(root)), a.out, sources)
+        with made_or_removed(a.out):  # a failure leaves no half-made OUT
+            counts = write(build_splits(aligned_pairs(root)), a.out, sources)
     print(f"wrote {a.out}: {counts}")
 
 

@@ -32,7 +32,6 @@ Writes ``OUT/tok`` (tokenised text; raw text with sentencepiece), ``OUT/bpe`` (s
 training recognise sentencepiece data by the ``spm*.model`` files in it).
 """
 
-import argparse
 import functools
 import multiprocessing
 import random
@@ -47,7 +46,7 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer
 from subword_nmt.apply_bpe import BPE
 from subword_nmt.learn_bpe import learn_bpe
 
-from .common import REPO, fairseq_cli
+from .common import ArgumentParser, REPO, fairseq_cli, made_or_removed
 from .prepare_libreoffice_corpus import read_pairs
 
 SPLITS = ("train", "valid", "test")
@@ -191,7 +190,7 @@ def binarize(bpe_dir, dest, src, tgt, joined, workers):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     src_group = p.add_mutually_exclusive_group(required=True)
     src_group.add_argument("--raw", type=Path, help="directory with {train,valid,test}.{src,tgt}")
     src_group.add_argument("--libreoffice", action="store_true",
@@ -234,6 +233,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     a = parse_args(argv)
+    with made_or_removed(a.out):  # a failure leaves no half-made OUT
+        prepare(a)
+
+
+def prepare(a):
     raw = a.raw
     if a.libreoffice:
         raw = a.out / "raw"

@@ -13,7 +13,7 @@ What fairseq's examples/language_model README does (prepare-wikitext-103.sh, the
      pass the local file or directory with ``--source``;
 2. ``fairseq-preprocess --only-source`` into ``OUT/bin``: one dictionary (every word of the
    training text; WikiText-103 has 267k) and the binarized splits ``train``, ``valid``,
-   ``test``, the data-bin for rdrop_fairseq.recipes.train_lm and rdrop_fairseq.recipes.evaluate_lm.
+   ``test``, the data-bin of scripts/wikitext103.sh (OUT is its DATA_DIR).
 
     python -m rdrop_fairseq.recipes.prepare_wikitext --out work/wikitext-103            # download
     python -m rdrop_fairseq.recipes.prepare_wikitext --source wikitext-103-v1.zip --out work/wikitext-103
@@ -32,7 +32,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from .common import fairseq_cli
+from .common import ArgumentParser, fairseq_cli, made_or_removed
 
 WIKITEXT103_URL = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip"
 SPLITS = ("train", "valid", "test")
@@ -129,7 +129,7 @@ def binarize(files, dest, workers):
 
 def main(argv=None):
     doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
+    p = ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default=os.environ.get("SOURCE", WIKITEXT103_URL),
                    help="directory, zip or URL of the corpus (default: %(default)s)")
@@ -141,14 +141,15 @@ def main(argv=None):
     if not a.out:
         p.error("--out (or $OUT) is required")
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    files = corpus_files(a.source, out)
-    for split in SPLITS:
-        print(f"[wikitext] {split}: {files[split]}", flush=True)
-    binarize(files, out / "bin", a.workers)
-    words = len((out / "bin" / "dict.txt").read_text(encoding="utf-8").splitlines())
-    print(f"[wikitext] data-bin {out / 'bin'}: dictionary of {words} words "
-          f"(+4 special symbols)", flush=True)
+    with made_or_removed(out):  # a failure leaves no half-made OUT
+        out.mkdir(parents=True, exist_ok=True)
+        files = corpus_files(a.source, out)
+        for split in SPLITS:
+            print(f"[wikitext] {split}: {files[split]}", flush=True)
+        binarize(files, out / "bin", a.workers)
+        words = len((out / "bin" / "dict.txt").read_text(encoding="utf-8").splitlines())
+        print(f"[wikitext] data-bin {out / 'bin'}: dictionary of {words} words "
+              f"(+4 special symbols)", flush=True)
 
 
 if __name__ == "__main__":

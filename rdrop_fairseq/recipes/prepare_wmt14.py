@@ -20,7 +20,6 @@ From the official archives (a directory holding them, or downloaded into it when
 Nothing is downloaded that is already in ``--orig``.
 """
 
-import argparse
 import gzip
 import re
 import subprocess
@@ -28,6 +27,8 @@ import sys
 import tarfile
 import urllib.request
 from pathlib import Path
+
+from .common import ArgumentParser, made_or_removed
 
 STATMT = "http://statmt.org"
 CORPORA = {
@@ -135,7 +136,7 @@ def assemble(pair, orig, raw, icml17=False):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=sorted(CORPORA), default="en-de")
     p.add_argument("--orig", type=Path, required=True,
                    help="directory with the official archives (downloaded into it if missing)")
@@ -144,16 +145,18 @@ def main(argv=None):
     p.add_argument("--bpe-merges", type=int, default=32000)
     p.add_argument("--workers", type=int, default=8)
     a = p.parse_args(argv)
-    spec = corpora(a.pair, a.icml17)
-    fetch_and_extract(spec["archives"], a.orig)
-    src, tgt = a.pair.split("-")
-    assemble(a.pair, a.orig, a.out / "raw", a.icml17)
-    subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",
-                    "--raw", str(a.out / "raw"), "--src", src, "--tgt", tgt, "--out", str(a.out),
-                    "--normalize-punct", "--aggressive-dash", "--clean-after-bpe",
-                    "--max-len", "250", "--max-ratio", "1.5",
-                    "--valid-from-train", str(spec["valid_every"]),
-                    "--bpe-merges", str(a.bpe_merges), "--workers", str(a.workers)], check=True)
+    # a failure leaves no half-made OUT (and no empty ORIG; downloaded archives stay)
+    with made_or_removed(a.out, a.orig):
+        spec = corpora(a.pair, a.icml17)
+        fetch_and_extract(spec["archives"], a.orig)
+        src, tgt = a.pair.split("-")
+        assemble(a.pair, a.orig, a.out / "raw", a.icml17)
+        subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",
+                        "--raw", str(a.out / "raw"), "--src", src, "--tgt", tgt, "--out", str(a.out),
+                        "--normalize-punct", "--aggressive-dash", "--clean-after-bpe",
+                        "--max-len", "250", "--max-ratio", "1.5",
+                        "--valid-from-train", str(spec["valid_every"]),
+                        "--bpe-merges", str(a.bpe_merges), "--workers", str(a.workers)], check=True)
 
 
 if __name__ == "__main__":

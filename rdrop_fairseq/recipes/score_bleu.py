@@ -13,11 +13,12 @@
     python -m rdrop_fairseq.recipes.score_bleu --hyp hyp.detok.txt --ref ref.txt
 """
 
-import argparse
 import re
 import sys
 
 import sacrebleu
+
+from .common import ArgumentParser
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
@@ -51,7 +52,7 @@ def read_generate_output(path):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--generate-output", help="fairseq-generate's stdout")
     src.add_argument("--hyp", help="hypotheses, one per line (with --ref)")

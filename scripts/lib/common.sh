@@ -15,6 +15,9 @@ NODES=${NODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
 
+# -h / --help: the recipe script's header comment
+case ${1:-} in -h|--help) sed -n '2,/^source/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
+
 die() { echo "error: $*" >&2; exit 1; }
 say() { echo "[$RECIPE] $*"; }
 
@@ -63,11 +66,18 @@ parse_stage() {
   SAVE_DIR=$(realpath -m "$SAVE_DIR")
 }
 
-# Run the stages asked for, with the recipe's prepare / train / evaluate functions.
+# Run the stages asked for, with the recipe's prepare / train / evaluate functions; all
+# skips prepare when the data-bin (BIN) is there already.
 run_stages() {
   case $STAGE in
     all) local extra=("${EXTRA[@]}")
-         EXTRA=(); prepare; EXTRA=("${extra[@]}"); train; EXTRA=(); evaluate ;;
+         EXTRA=()
+         if [ -e "$BIN" ]; then
+           say "prepare: $BIN is there already (the prepare stage alone makes it again)"
+         else
+           prepare
+         fi
+         EXTRA=("${extra[@]}"); train; EXTRA=(); evaluate ;;
     *) "$STAGE" ;;
   esac
 }
