@@ -11,7 +11,7 @@ help pages (article -> its description), over seeds.
 2. A small BART (MODEL: 2+2 layers, 128 dim by default), randomly initialised once per seed
    and saved like bart.large (there is no pre-trained BART offline): both modes of a seed
    start from the same weights.
-3. scripts/cnndm_bart.sh train, --mode baseline and R-Drop (alpha 0.7), for every seed,
+3. scripts/cnndm_bart.sh train, MODE=baseline and R-Drop (alpha 0.7), for every seed,
    two runs at a time on one CPU thread each: the recipe's config with the model shrunk, a
    from-scratch learning rate (LEARN) decaying to 0 over --max-update, at most --max-epoch
    epochs, stopped after --patience epochs without a better validation loss; the best
@@ -117,9 +117,10 @@ def train_command(a, data, init, save_dir, mode, seed, max_epoch):
         "checkpoint.no_epoch_checkpoints=true",
         "checkpoint.no_last_checkpoints=true", "dataset.num_workers=0",
         "common.log_interval=50"]
-    return recipe_script("cnndm_bart", "train", *overrides, f"optimization.max_update={a.max_update}",
-                         DATA_DIR=data, BART_DIR=init.parent, SAVE_DIR=save_dir,
-                         MODE=MODE_ARGS[mode], SEED=seed, MAX_TOKENS=a.max_tokens, UPDATE_FREQ=1)
+    return recipe_script("cnndm_bart", "train", *overrides,
+                         f"optimization.max_update={a.max_update}", DATA_DIR=data,
+                         BART_DIR=init.parent, SAVE_DIR=save_dir, MODE=MODE_ARGS[mode],
+                         SEED=seed, MAX_TOKENS=a.max_tokens, UPDATE_FREQ=1)
 
 
 def valid_losses(log):

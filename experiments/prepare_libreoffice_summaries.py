@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Article -> summary pairs from the English LibreOffice help pages, in the layout of
-rdrop_fairseq.recipes.prepare_cnndm, with a GPT-2-format byte-level BPE and dictionary learnt from them.
+rdrop_fairseq.recipes.prepare_cnndm, with a GPT-2-format byte-level BPE and dictionary
+learnt from them.
 
 A help page opens with its title and a one-paragraph description of what it documents,
 written by its authors (for a command, the text of its extended tooltip: "Bring Forward" ->

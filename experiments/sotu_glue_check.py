@@ -15,8 +15,8 @@ path) and a regression (year, STS-B's path), over several seeds.
 3. WORK/results.md: mean +- sample std over the seeds per mode, with the majority class
    (of train) as the party task's floor; WORK/results.json: every run's numbers.
 A run whose folder holds the results of the same training command (its train.log starts
-with what the script prints, which DRY_RUN=1 prints too) on the same data (a copy of splits.json) is kept, so running the check
-again finishes an interrupted one.
+with what the script prints, which DRY_RUN=1 prints too) on the same data (a copy of
+splits.json) is kept, so running the check again finishes an interrupted one.
 
 Anything after -- is passed to every training run as hydra overrides (e.g. a smaller
 model for a quick try). Environment variable: SOURCE.

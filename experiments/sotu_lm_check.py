@@ -6,12 +6,14 @@ Steps, each through the recipe scripts (subprocesses; nothing here re-implements
 1. experiments.prepare_sotu --since SINCE: the addresses from SINCE on, split by address,
    in the WikiText layout, binarized into WORK/data/bin;
 2. scripts/wikitext103.sh train (ARCH=gpt, on the CPU) for each mode (baseline; R-Drop with
-   the recipe's alpha 1) and seed, with the small model of MODEL below (the recipe's dropout, optimizer and shared
-   embeddings; TRAINING: lr 2e-3, 100 warm-up updates). Each run trains until validation
-   loss has not improved for PATIENCE epochs, or for MAX_EPOCH epochs. At most --jobs runs
-   at a time, each on one thread; every run starts from scratch in WORK/runs/MODE-sSEED;
-3. scripts/wikitext103.sh evaluate (rdrop_fairseq.recipes.evaluate_lm) on the test and valid splits of each run's checkpoint_best.pt
-   (the epoch of lowest validation loss), tokens per sample 128, context window 64;
+   the recipe's alpha 1) and seed, with the small model of MODEL below (the recipe's
+   dropout, optimizer and shared embeddings; TRAINING: lr 2e-3, 100 warm-up updates). Each
+   run trains until validation loss has not improved for PATIENCE epochs, or for MAX_EPOCH
+   epochs. At most --jobs runs at a time, each on one thread; every run starts from scratch
+   in WORK/runs/MODE-sSEED;
+3. scripts/wikitext103.sh evaluate (rdrop_fairseq.recipes.evaluate_lm) on the test and
+   valid splits of each run's checkpoint_best.pt (the epoch of lowest validation loss),
+   tokens per sample 128, context window 64;
 4. a markdown table: per run the best validation perplexity (fairseq's validation during
    training, independent 128-token blocks), the test perplexity (evaluate_lm.py), the
    epochs run and minutes (wall clock, and CPU time); mean and standard deviation per

@@ -56,7 +56,8 @@ train() {
   # one GPU, as the paper and fairseq's GLUE configs: sentence_prediction's MCC / F1 /
   # Pearson come from per-GPU prediction lists that do not add up over GPUs
   (( DEVICES == 1 )) ||
-    die "glue.sh fine-tunes on one GPU, as the paper: set GPUS=1 (CUDA_VISIBLE_DEVICES picks it; one task per GPU)"
+    die "glue.sh fine-tunes on one GPU, as the paper: set GPUS=1" \
+        "(CUDA_VISIBLE_DEVICES picks it; one task per GPU)"
   UPDATE_FREQ=${UPDATE_FREQ:-1}
   (( BATCH % UPDATE_FREQ == 0 )) ||
     die "UPDATE_FREQ=$UPDATE_FREQ does not divide $TASK's batch of $BATCH sentences"

@@ -21,7 +21,8 @@ TGT=${TGT:-en}
 case "$SRC-$TGT" in
   de-en|en-de|en-fr|fr-en|en-es|es-en) YEAR=14 ;;
   en-zh|zh-en) YEAR=17 ;;  # separate dictionaries (sentencepiece per language)
-  *) die "SRC=$SRC TGT=$TGT is not one of the paper's IWSLT directions: de-en, en-fr, en-es, en-zh (either way)" ;;
+  *) die "SRC=$SRC TGT=$TGT is not one of the paper's IWSLT directions:" \
+         "de-en, en-fr, en-es, en-zh (either way)" ;;
 esac
 DATA_DIR=${DATA_DIR:-work/iwslt$YEAR.$SRC-$TGT}
 SAVE_DIR=${SAVE_DIR:-checkpoints/iwslt$YEAR.$SRC-$TGT.$MODE.seed$SEED}
@@ -34,7 +35,8 @@ prepare() {
   local archive=${ARCHIVE:-}
   if [ -z "$archive" ]; then
     [ "$SRC-$TGT" = de-en ] || [ "$SRC-$TGT" = en-de ] ||
-      die "ARCHIVE is required for $SRC-$TGT: the IWSLT$YEAR archive of the pair (a .tgz path or URL)"
+      die "ARCHIVE is required for $SRC-$TGT: the IWSLT$YEAR archive of the pair" \
+          "(a .tgz path or URL)"
     archive=http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz  # fairseq's mirror
   fi
   # Moses tokenisation, lower-casing, joint BPE (10k merges), fairseq-preprocess (En-Zh:

@@ -43,7 +43,9 @@ train() {
     # the config's adaptive cut-offs (20000, 60000) need more words than that
     if [ -f "$BIN/dict.txt" ] && (( $(wc -l < "$BIN/dict.txt") + 4 <= 60000 )) &&
        [[ " ${EXTRA[*]} " != *adaptive_softmax_cutoff=* ]]; then
-      die "ARCH=adaptive's cut-offs 20000,60000 need more than 60000 words; $BIN/dict.txt has fewer: override model.adaptive_input_cutoff=\"'A,B'\" model.adaptive_softmax_cutoff=\"'A,B'\""
+      die "ARCH=adaptive's cut-offs 20000,60000 need more than 60000 words;" \
+          "$BIN/dict.txt has fewer: override model.adaptive_input_cutoff=\"'A,B'\"" \
+          "model.adaptive_softmax_cutoff=\"'A,B'\""
     fi
   fi
   run "$(fairseq_cli fairseq-hydra-train)" \

@@ -5,7 +5,8 @@ fairseq keeps ``rdrop_fairseq.recipes.average_checkpoints`` in its repository bu
 packages, so here is the same operation: the float parameters are averaged; the rest of the
 first checkpoint (config, non-float buffers, metadata) is kept, its optimizer state dropped.
 
-    python -m rdrop_fairseq.recipes.average_checkpoints --inputs SAVE_DIR --num-epoch-checkpoints 5 \\
+    python -m rdrop_fairseq.recipes.average_checkpoints --inputs SAVE_DIR \\
+        --num-epoch-checkpoints 5 \\
         --output SAVE_DIR/checkpoint_avg5.pt
     python -m rdrop_fairseq.recipes.average_checkpoints --inputs a.pt b.pt c.pt --output avg.pt
 """

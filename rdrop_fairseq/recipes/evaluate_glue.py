@@ -5,7 +5,8 @@ The checkpoint is loaded with fairseq's RoBERTa hub interface (RobertaModel.from
 GPT-2 BPE from local files); the dev TSVs are read from the GLUE folder, encoded as
 training saw them (<s> sentence1 </s> </s> sentence2 </s>) and predicted with dropout off.
 
-    python -m rdrop_fairseq.recipes.evaluate_glue RTE --checkpoint checkpoints/rte-rdrop/checkpoint_best.pt \\
+    python -m rdrop_fairseq.recipes.evaluate_glue RTE \\
+        --checkpoint checkpoints/rte-rdrop/checkpoint_best.pt \\
         --data glue-bin/RTE-bin --glue-dir glue_data --bpe-dir gpt2_bpe [--json rte.json]
 
 Metrics (in %, as the paper's table 3): accuracy (SST-2, MNLI, QNLI, RTE), F1 and accuracy

@@ -17,7 +17,8 @@ ROUGE-L (``rougeLsum``). docs/summarization.md lists what still differs.
         --encoder-json gpt2_bpe/encoder.json --vocab-bpe gpt2_bpe/vocab.bpe \\
         [--json rouge.json] [--fp16]
     # score hypotheses written before (no model needed):
-    python -m rdrop_fairseq.recipes.evaluate_summarization --score-only --out test.hypo --target cnn_dm/test.target
+    python -m rdrop_fairseq.recipes.evaluate_summarization --score-only --out test.hypo \\
+        --target cnn_dm/test.target
 
 Writes the hypotheses (default: next to the checkpoint, CHECKPOINT_STEM.test.hypo), one a
 line, and prints the scores. Environment variables: DATA, RAW, CHECKPOINT, GPT2_ENCODER_JSON,

@@ -2,7 +2,8 @@
 """Binarize GLUE tasks for fairseq's sentence_prediction task (RoBERTa fine-tuning), as
 fairseq's examples/roberta/preprocess_GLUE_tasks.sh does, from local files only.
 
-    python -m rdrop_fairseq.recipes.prepare_glue RTE [MRPC ...|ALL] --glue-dir glue_data --out glue-bin \\
+    python -m rdrop_fairseq.recipes.prepare_glue RTE [MRPC ...|ALL] --glue-dir glue_data \\
+        --out glue-bin \\
         --bpe-dir gpt2_bpe          # holds encoder.json, vocab.bpe and dict.txt
     # or each file on its own:
         --encoder-json gpt2_bpe/encoder.json --vocab-bpe gpt2_bpe/vocab.bpe \\

@@ -8,8 +8,10 @@ IWSLT14 de-en), then ``prepare_translation.py`` with the recipe's settings: Mose
 tokenisation, lower-casing, cleaning (1-175 tokens, ratio 1.5), every 23rd training pair
 held out as validation, joint BPE (10k merges) and fairseq-preprocess.
 
-    python -m rdrop_fairseq.recipes.prepare_iwslt --archive de-en.tgz --src de --tgt en --out work/iwslt14.de-en
-    python -m rdrop_fairseq.recipes.prepare_iwslt --archive https://.../de-en.tgz --src de --tgt en --out ...
+    python -m rdrop_fairseq.recipes.prepare_iwslt --archive de-en.tgz --src de --tgt en \\
+        --out work/iwslt14.de-en
+    python -m rdrop_fairseq.recipes.prepare_iwslt --archive https://.../de-en.tgz --src de \\
+        --tgt en --out ...
 
 IWSLT14 de-en: fairseq's mirror of the archive is the IWSLT14_DE_EN_URL below. For the other
 pairs, pass the archive of the same format (``train.tags.PAIR.*`` and ``IWSLT*.TED*.xml``).

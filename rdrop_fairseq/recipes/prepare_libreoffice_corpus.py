@@ -13,7 +13,8 @@ are dropped, and valid/test lose any pair whose German side also occurs in train
     python -m rdrop_fairseq.recipes.prepare_libreoffice_corpus --deb libreoffice-help-de_*.deb \\
         --deb libreoffice-help-en-us_*.deb --out data/libreoffice-help-de-en
     # or from already extracted trees (.../share/libreoffice/help/{de,en-US})
-    python -m rdrop_fairseq.recipes.prepare_libreoffice_corpus --help-root /usr/share/libreoffice/help --out ...
+    python -m rdrop_fairseq.recipes.prepare_libreoffice_corpus \\
+        --help-root /usr/share/libreoffice/help --out ...
 
 Writes ``{train,valid,test}.tsv.xz`` (one pair per line: German TAB English; segments are
 whitespace-normalised, so they hold no tab) and ``SOURCE.md`` (package versions, counts,

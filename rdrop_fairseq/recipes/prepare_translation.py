@@ -21,8 +21,10 @@ to take the corpus committed in data/libreoffice-help-de-en (de-en). With
 ``--valid-from-train N`` there is no RAW/valid: every N-th training pair becomes the
 validation set instead (fairseq: N = 23 for IWSLT14, 100 for WMT14 En-De, 1333 for En-Fr).
 
-    python -m rdrop_fairseq.recipes.prepare_translation --libreoffice --out work/lo-de-en --bpe-merges 8000
-    python -m rdrop_fairseq.recipes.prepare_translation --raw iwslt14/raw --src de --tgt en --lowercase \\
+    python -m rdrop_fairseq.recipes.prepare_translation --libreoffice --out work/lo-de-en \\
+        --bpe-merges 8000
+    python -m rdrop_fairseq.recipes.prepare_translation --raw iwslt14/raw --src de --tgt en \\
+        --lowercase \\
         --bpe-merges 10000 --out work/iwslt14.de-en
     python -m rdrop_fairseq.recipes.prepare_translation --raw iwslt17/raw --src en --tgt zh \\
         --subword sentencepiece --separate-dictionaries --max-ratio 0 --out work/iwslt17.en-zh

@@ -16,8 +16,10 @@ What fairseq's examples/language_model README does (prepare-wikitext-103.sh, the
    ``test``, the data-bin of scripts/wikitext103.sh (OUT is its DATA_DIR).
 
     python -m rdrop_fairseq.recipes.prepare_wikitext --out work/wikitext-103            # download
-    python -m rdrop_fairseq.recipes.prepare_wikitext --source wikitext-103-v1.zip --out work/wikitext-103
-    python -m rdrop_fairseq.recipes.prepare_wikitext --source path/to/wikitext-103 --out work/wikitext-103
+    python -m rdrop_fairseq.recipes.prepare_wikitext --source wikitext-103-v1.zip \\
+        --out work/wikitext-103
+    python -m rdrop_fairseq.recipes.prepare_wikitext --source path/to/wikitext-103 \\
+        --out work/wikitext-103
 
 Environment variables: SOURCE, OUT, WORKERS.
 """

@@ -12,9 +12,12 @@ From the official archives (a directory holding them, or downloaded into it when
   cleaned after BPE (1-250 subwords, ratio 1.5), test kept whole; fairseq-preprocess with
   a joined dictionary.
 
-    python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-de --orig work/wmt14-orig --out work/wmt14.en-de
-    python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-de --icml17 ...   # news-commentary v9 instead of v12
-    python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-fr --orig ... --out work/wmt14.en-fr --workers 16
+    python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-de --orig work/wmt14-orig \\
+        --out work/wmt14.en-de
+    python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-de \\
+        --icml17 ...   # news-commentary v9 instead of v12
+    python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-fr --orig ... \\
+        --out work/wmt14.en-fr --workers 16
 
 ``--bpe-merges`` defaults to the paper's ~32k joint vocabulary (fairseq's scripts use 40000).
 Nothing is downloaded that is already in ``--orig``.
@@ -152,7 +155,8 @@ def main(argv=None):
         src, tgt = a.pair.split("-")
         assemble(a.pair, a.orig, a.out / "raw", a.icml17)
         subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",
-                        "--raw", str(a.out / "raw"), "--src", src, "--tgt", tgt, "--out", str(a.out),
+                        "--raw", str(a.out / "raw"), "--src", src, "--tgt", tgt,
+                        "--out", str(a.out),
                         "--normalize-punct", "--aggressive-dash", "--clean-after-bpe",
                         "--max-len", "250", "--max-ratio", "1.5",
                         "--valid-from-train", str(spec["valid_every"]),

@@ -9,7 +9,8 @@
 * default: sacreBLEU on detokenised text, printed with its signature (the other IWSLT
   directions).
 
-    python -m rdrop_fairseq.recipes.score_bleu --generate-output gen.out --tokenized [--compound-split]
+    python -m rdrop_fairseq.recipes.score_bleu --generate-output gen.out \\
+        --tokenized [--compound-split]
     python -m rdrop_fairseq.recipes.score_bleu --hyp hyp.detok.txt --ref ref.txt
 """
 

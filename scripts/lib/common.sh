@@ -152,11 +152,13 @@ split_batch() {
   local fix="set UPDATE_FREQ and/or MAX_TOKENS (GPUS x NODES x UPDATE_FREQ x MAX_TOKENS = $total)"
   if [ -n "${MAX_TOKENS:-}" ] && [ -z "${UPDATE_FREQ:-}" ]; then
     (( total % (DEVICES * MAX_TOKENS) == 0 )) ||
-      die "$DEVICES GPUs x MAX_TOKENS=$MAX_TOKENS do not divide the paper's $total tokens per update: $fix"
+      die "$DEVICES GPUs x MAX_TOKENS=$MAX_TOKENS do not divide" \
+          "the paper's $total tokens per update: $fix"
     UPDATE_FREQ=$(( total / (DEVICES * MAX_TOKENS) ))
   elif [ -z "${MAX_TOKENS:-}" ] && [ -n "${UPDATE_FREQ:-}" ]; then
     (( total % (DEVICES * UPDATE_FREQ) == 0 )) ||
-      die "$DEVICES GPUs x UPDATE_FREQ=$UPDATE_FREQ do not divide the paper's $total tokens per update: $fix"
+      die "$DEVICES GPUs x UPDATE_FREQ=$UPDATE_FREQ do not divide" \
+          "the paper's $total tokens per update: $fix"
     MAX_TOKENS=$(( total / (DEVICES * UPDATE_FREQ) ))
   elif [ -z "${MAX_TOKENS:-}" ]; then
     if (( total % (DEVICES * paper) == 0 )); then
@@ -164,7 +166,8 @@ split_batch() {
     elif (( DEVICES * paper > total && total % DEVICES == 0 && total / DEVICES >= min )); then
       MAX_TOKENS=$(( total / DEVICES )) UPDATE_FREQ=1
     else
-      die "$DEVICES GPUs do not divide the paper's $total tokens per update into batches of $paper: $fix"
+      die "$DEVICES GPUs do not divide the paper's $total tokens per update" \
+          "into batches of $paper: $fix"
     fi
   fi
   local per_update=$(( DEVICES * UPDATE_FREQ * MAX_TOKENS * BATCH_FACTOR )) note=""
