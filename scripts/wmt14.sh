@@ -9,8 +9,9 @@
 # Environment: PAIR (en-de or en-fr; default en-de), ORIG (where the official archives are,
 # or are downloaded to; default wmt14-orig beside DATA_DIR, shared by both pairs),
 # DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, SEED, GPUS, CPU,
-# BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, AVERAGE (epoch checkpoints averaged before the test;
-# 0: checkpoint_best.pt), FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).
+# BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, AVERAGE
+# (epoch checkpoints averaged before the test; 0: checkpoint_best.pt), FAIRSEQ_BIN, PYTHON,
+# DRY_RUN (docs/translation.md).
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
 # of the Python module).
 source "$(dirname "$0")/lib/common.sh"
