@@ -1,34 +1,61 @@
-"""Framework-free core of R-Drop: batch duplication and the consistency terms.
+"""Framework-free core of R-Drop: batch duplication and the fused loss.
 
 Only torch is needed here; the fairseq criteria in ``rdrop_fairseq.criterions`` are thin
 layers over these functions.
 
 Conventions: a batch of ``B`` examples is duplicated along dim 0 into ``[x; x]`` (``2B``
 rows), so after the forward pass rows ``[0, B)`` are pass 1 and rows ``[B, 2B)`` pass 2.
-All reductions are sums (fairseq normalises by the sample size afterwards), and every
-divergence is computed in float32 at least (float64 inputs stay float64), whatever the
-dtype of the model.
+All reductions are sums (fairseq normalises by the sample size afterwards), computed in
+float32 at least (float64 inputs stay float64), whatever the dtype of the model.
+
+The fused loss (:func:`rdrop_loss`) is written for GPUs first: no host-device
+synchronisation (padding is masked by weights, never selected), a number of chunks that
+depends on shapes only, and no ``2N x V`` float32 tensor: the logits' gradient is computed
+during the forward, in the logits' own dtype, and the backward only scales it. On CUDA a
+Triton kernel does the whole row-pair computation in one launch
+(:mod:`rdrop_fairseq.triton_kernel`); elsewhere a chunked torch implementation does the
+same. docs/design.md has the derivation and the memory accounting.
 """
 
+import math
+import os
+from collections import namedtuple
 from collections.abc import Mapping
 
 import torch
 
 __all__ = [
     "RDropBatchError",
+    "RDropLoss",
     "duplicate_net_input",
     "split_halves",
-    "rdrop_nll_loss",
+    "rdrop_loss",
     "symmetric_kl",
     "mse_consistency",
+    "chunk_rows_for",
 ]
 
-# Elements of one row chunk in the fused loss. Large enough to amortise Python overhead,
-# small enough that a chunk's handful of temporaries stays near the CPU caches.
-DEFAULT_CHUNK_ELEMENTS = 1 << 17
+IMPLS = ("auto", "torch", "triton")
+
+# Default bound on one chunk's temporaries (--rdrop-chunk-mb 0). On CUDA, large chunks mean
+# few kernel launches; on CPU, a chunk that stays in the caches is fastest (measured in
+# benchmarks/bench_rdrop.py, docs/benchmarks.md).
+AUTO_CHUNK_MB = {"cuda": 256.0, "cpu": 16.0}
+
+# fp16 gradients are stored scaled by a power of two per row pair, chosen so that the
+# row's largest entry lands near this value: the bulk of a softmax gradient (~1/V) would
+# otherwise be fp16 subnormals. The backward undoes the scale exactly.
+_FP16_TARGET_MAX = 2.0 ** 14
 
 # Values in ``net_input`` that configure the forward pass rather than carry examples.
 _PASSTHROUGH_TYPES = (type(None), bool, int, float, str)
+
+RDropLoss = namedtuple("RDropLoss", "total loss nll kl")
+RDropLoss.__doc__ = """Result of :func:`rdrop_loss`; every field is a sum over kept rows.
+
+``total`` (differentiable) = ``loss + alpha * kl``; ``loss`` = label-smoothed NLL of both
+passes, ``nll`` = plain NLL of both passes, ``kl`` = ``1/2 (KL(P1||P2) + KL(P2||P1))``
+(these three are detached, for logging)."""
 
 
 class RDropBatchError(ValueError):
@@ -78,68 +105,68 @@ def split_halves(x):
     return x.chunk(2, dim=0)
 
 
-def rdrop_nll_loss(lprobs, target=None, epsilon=0.0, ignore_index=None,
-                   chunk_elements=DEFAULT_CHUNK_ELEMENTS):
-    """Task loss of both passes and their symmetric KL, fused, from log-probabilities.
+def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None, keep=None,
+               log_probs=False, chunk_mb=0.0, impl="auto"):
+    """Task loss of both passes plus ``alpha`` times their symmetric KL, fused.
 
     Args:
-        lprobs: ``(2N, V)`` log-probabilities, rows ``[0, N)`` pass 1, ``[N, 2N)`` pass 2.
-        target: ``(2N,)`` class indices (the same for both halves), or ``None`` for the KL
-            alone (then every row is used).
-        epsilon: label smoothing, as in fairseq's ``label_smoothed_nll_loss`` (0 = plain NLL).
-        ignore_index: padding index; rows whose target equals it are excluded from both the
-            task loss and the KL.
+        scores: ``(2B, ..., V)`` output of the duplicated batch, pass 1 then pass 2 along
+            dim 0: logits (the default; the distribution is their softmax) or, with
+            ``log_probs=True``, log-probabilities (any normalisation, e.g. an adaptive
+            softmax). fp16, bf16, fp32 or fp64.
+        target: ``(B, ...)`` class indices of *one* pass (both passes share it), or
+            ``None`` for the KL alone.
+        alpha: weight of the KL in ``total``, ``>= 0``.
+        epsilon: label smoothing, as fairseq's ``label_smoothed_nll_loss`` (0 = plain NLL).
+        ignore_index: padding index; positions whose target equals it count nowhere.
+        keep: optional boolean ``(B, ...)`` mask, False for further excluded positions
+            (e.g. an ignored prefix).
+        chunk_mb: bound on one chunk's float32 temporaries in the torch implementation, in
+            MiB; 0 = automatic (:data:`AUTO_CHUNK_MB`).
+        impl: ``"torch"``, ``"triton"`` (CUDA tensors, or CPU tensors under
+            ``TRITON_INTERPRET=1``) or ``"auto"`` (triton on CUDA when importable).
 
-    Returns ``(loss, nll_loss, kl)``, float32 scalars summed over rows:
-        ``loss`` - label-smoothed NLL of both passes (equals fairseq's on the same rows),
-        ``nll_loss`` - plain NLL of both passes,
-        ``kl`` - ``1/2 * (KL(P1||P2) + KL(P2||P1))`` summed over the non-padding positions.
+    Returns :data:`RDropLoss` ``(total, loss, nll, kl)``, scalars of dtype >= float32.
 
-    Nothing of size ``2N x V`` is allocated but the gradient itself: rows are processed in
-    chunks, padding rows are skipped, and the backward pass recomputes the probabilities
-    and uses the closed-form gradient of the symmetric KL (see docs/design.md).
+    Only ``total`` is differentiable, and only once: its backward scales, in place, the
+    gradient computed during the forward (so a second backward through the same graph
+    raises). Nothing of size ``2B x ... x V`` is allocated but that gradient, in the
+    dtype of ``scores``; the halves are not compared (the caller built ``[x; x]``).
     """
-    if lprobs.dim() != 2 or lprobs.size(0) % 2:
+    alpha = float(alpha)
+    if not alpha >= 0 or math.isinf(alpha):
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+    if not 0.0 <= epsilon < 1.0:
+        raise ValueError(f"epsilon (label smoothing) must be in [0, 1), got {epsilon}")
+    if scores.dim() < 2 or scores.size(0) % 2:
         raise RDropBatchError(
-            f"lprobs must be (2N, V) with both passes stacked, got shape {tuple(lprobs.shape)}"
+            "scores must be (2B, ..., V) with both passes stacked along dim 0, got shape "
+            f"{tuple(scores.shape)}"
         )
-    n = lprobs.size(0) // 2
+    vocab = scores.size(-1)
+    pairs = scores.reshape(2, -1, vocab)  # a view for the usual contiguous model output
+    n = pairs.size(1)
+    if pairs.stride(-1) != 1:
+        pairs = pairs.contiguous()
+    weight = _row_weights(target, ignore_index, keep, n, pairs)
     if target is not None:
         target = target.reshape(-1)
-        if target.numel() != 2 * n:
-            raise RDropBatchError(
-                f"target has {target.numel()} entries, lprobs has {2 * n} rows"
-            )
-        if not torch.equal(target[:n], target[n:]):
-            raise RDropBatchError("the two halves of the target differ: not a duplicated batch")
-        keep = target[:n] != ignore_index if ignore_index is not None else None
-    else:
-        keep = None
-    rows = keep.nonzero().squeeze(1) if keep is not None else torch.arange(n, device=lprobs.device)
-    chunk_rows = max(1, chunk_elements // max(1, lprobs.size(1)))
-    return _RDropNLLLoss.apply(lprobs, target, rows, float(epsilon), chunk_rows)
+    impl = _resolve_impl(impl, scores)
+    chunk_rows = chunk_rows_for(vocab, scores, chunk_mb) if impl == "torch" else 0
+    total, loss, nll, kl = _FusedRDrop.apply(
+        pairs, target, weight, alpha, float(epsilon), bool(log_probs), impl, chunk_rows
+    )
+    return RDropLoss(total, loss, nll, kl)
 
 
-def symmetric_kl(lprobs, keep=None, chunk_elements=DEFAULT_CHUNK_ELEMENTS):
-    """``1/2 * (KL(P1||P2) + KL(P2||P1))`` summed over rows, from stacked log-probabilities.
+def symmetric_kl(scores, keep=None, log_probs=True, **kwargs):
+    """``1/2 (KL(P1||P2) + KL(P2||P1))`` summed over positions, differentiable.
 
-    ``lprobs`` is ``(2N, ..., V)`` (pass 1 then pass 2 along dim 0); ``keep`` is an optional
-    boolean mask over the first half's positions (``(N, ...)``), False for padding.
+    ``scores`` is ``(2B, ..., V)``, pass 1 then pass 2 (log-probabilities by default, or
+    logits with ``log_probs=False``); ``keep`` an optional boolean mask over one pass's
+    positions ``(B, ...)``. Other keyword arguments go to :func:`rdrop_loss`.
     """
-    if lprobs.size(0) % 2:
-        raise RDropBatchError(
-            f"lprobs must stack both passes along dim 0, got shape {tuple(lprobs.shape)}"
-        )
-    flat = lprobs.reshape(-1, lprobs.size(-1))
-    n = flat.size(0) // 2
-    if keep is None:
-        rows = torch.arange(n, device=flat.device)
-    else:
-        if keep.numel() != n:
-            raise RDropBatchError(f"keep mask has {keep.numel()} entries, expected {n}")
-        rows = keep.reshape(-1).nonzero().squeeze(1)
-    chunk_rows = max(1, chunk_elements // max(1, flat.size(1)))
-    return _RDropNLLLoss.apply(flat, None, rows, 0.0, chunk_rows)[2]
+    return rdrop_loss(scores, None, alpha=1.0, keep=keep, log_probs=log_probs, **kwargs).total
 
 
 def mse_consistency(predictions):
@@ -148,68 +175,201 @@ def mse_consistency(predictions):
     return (y1 - y2).pow(2).sum()
 
 
-def _log_ratio(a, b):
-    # -inf - -inf (a class both passes rule out) is nan; its KL contribution is 0
-    return (a - b).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+def chunk_rows_for(vocab, scores, chunk_mb=0.0):
+    """Row pairs per chunk of the torch implementation for a ``chunk_mb`` MiB budget.
+
+    A chunk of ``r`` row pairs holds the log-probabilities of both passes (``2 r x V`` in
+    the compute dtype, float32 or float64) and, unless the scores are already in that
+    dtype (then they are kept in the gradient buffer), their probabilities too.
+    """
+    if not chunk_mb >= 0 or math.isinf(chunk_mb):
+        raise ValueError(f"chunk_mb must be a finite number >= 0 (0 = automatic), got {chunk_mb}")
+    if chunk_mb == 0:
+        chunk_mb = AUTO_CHUNK_MB["cuda" if scores.is_cuda else "cpu"]
+    dtype = _compute_dtype(scores)
+    per_pair = (2 if scores.dtype == dtype else 4) * vocab * dtype.itemsize
+    return max(1, int(chunk_mb * 2**20) // per_pair)
+
+
+def _row_weights(target, ignore_index, keep, n, pairs):
+    """1 for a position that counts, 0 for padding / excluded ones: (N,) in compute dtype."""
+    dtype = _compute_dtype(pairs)
+    if target is not None and target.numel() != n:
+        raise RDropBatchError(
+            f"target has {target.numel()} positions, but each pass of scores has {n}: pass "
+            "the target of one pass (both passes share it)"
+        )
+    if keep is not None and keep.numel() != n:
+        raise RDropBatchError(f"keep has {keep.numel()} positions, expected {n} (one pass)")
+    mask = None
+    if target is not None and ignore_index is not None:
+        mask = target.reshape(-1).ne(ignore_index)
+    if keep is not None:
+        keep = keep.reshape(-1).bool()
+        mask = keep if mask is None else mask & keep
+    if mask is None:
+        return torch.ones(n, dtype=dtype, device=pairs.device)
+    return mask.to(dtype)
+
+
+def _resolve_impl(impl, scores):
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if impl == "torch":
+        return impl
+    if impl == "auto":
+        if not scores.is_cuda or scores.dtype == torch.float64:
+            return "torch"
+        from .triton_kernel import triton_available
+
+        return "triton" if triton_available() else "torch"
+    from .triton_kernel import triton_available
+
+    if not triton_available():
+        raise ValueError("impl 'triton' needs the triton package (pip install triton)")
+    if not scores.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "impl 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 (set before the "
+            "kernel is imported) to run Triton's interpreter on CPU tensors"
+        )
+    return impl
 
 
 def _compute_dtype(x):
     return torch.promote_types(x.dtype, torch.float32)
 
 
-class _RDropNLLLoss(torch.autograd.Function):
-    """Fused label-smoothed NLL of both passes + symmetric KL, chunked over kept rows."""
+def _coefficients(vocab, epsilon, alpha, has_target, from_logits):
+    """Scalars of the per-row gradient formula (see :func:`_rows_torch`)."""
+    eps_i = epsilon / (vocab - 1) if vocab > 1 and has_target else 0.0
+    c1 = 1.0 - epsilon - eps_i if has_target else 0.0
+    pcoef = c1 + eps_i * vocab if from_logits else 0.0
+    return {"pcoef": pcoef, "h": 0.5 * alpha, "eps_i": eps_i, "c1": c1}
+
+
+class _FusedRDrop(torch.autograd.Function):
+    """Row-pair statistics and the scores' gradient in the forward; a scale in the backward."""
 
     @staticmethod
-    def forward(ctx, lprobs, target, rows, epsilon, chunk_rows):
-        n, vocab = lprobs.size(0) // 2, lprobs.size(1)
-        eps_i = epsilon / (vocab - 1) if vocab > 1 else 0.0
-        dtype = _compute_dtype(lprobs)
-        acc = torch.zeros(3, dtype=torch.float64, device=lprobs.device)  # nll, smooth, kl
-        for start in range(0, rows.numel(), chunk_rows):
-            r = rows[start:start + chunk_rows]
-            a = lprobs.index_select(0, r).to(dtype)
-            b = lprobs.index_select(0, r + n).to(dtype)
-            if target is not None:
-                t = target.index_select(0, r).unsqueeze(1)
-                acc[0] -= (a.gather(1, t) + b.gather(1, t)).sum(dtype=torch.float64)
-                if epsilon:
-                    acc[1] -= a.sum(dtype=torch.float64) + b.sum(dtype=torch.float64)
-            diff = _log_ratio(a, b)
-            acc[2] += torch.dot(a.exp_().sub_(b.exp_()).view(-1), diff.view(-1)).double()
-        nll, smooth, kl = acc.to(dtype).unbind()
-        loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
-        ctx.save_for_backward(lprobs, target, rows)
-        ctx.epsilon, ctx.eps_i, ctx.chunk_rows = epsilon, eps_i, chunk_rows
-        return loss, nll, 0.5 * kl
+    def forward(ctx, pairs, target, weight, alpha, epsilon, log_probs, impl, chunk_rows):
+        n, vocab = pairs.size(1), pairs.size(2)
+        coef = _coefficients(vocab, epsilon, alpha, target is not None, not log_probs)
+        # a padding row's target may be any id; the KL-only case has none at all
+        t = target if target is not None else torch.zeros(n, dtype=torch.long, device=pairs.device)
+        need_grad = ctx.needs_input_grad[0]  # False under no_grad (e.g. a checkpoint's 1st run)
+        if impl == "triton":
+            from .triton_kernel import rdrop_rows_triton
+
+            grad, stats = rdrop_rows_triton(pairs, t, from_logits=not log_probs, **coef)
+        else:
+            grad, stats = _rows_torch(pairs, t, not log_probs, chunk_rows, need_grad, **coef)
+        # stats rows: nll, smooth, kl_pq, kl_qp (per row pair), then the gradient's scale
+        nll, smooth, kl_pq, kl_qp = torch.mv(stats[:4].to(weight.dtype), weight).unbind()
+        if target is not None:
+            loss = coef["c1"] * nll + coef["eps_i"] * smooth
+        else:
+            loss = nll = torch.zeros_like(kl_pq)
+        kl = 0.5 * (kl_pq + kl_qp)
+        ctx.grad, ctx.row_factor = grad, weight * stats[4].to(weight.dtype)
+        ctx.mark_non_differentiable(loss, nll, kl)
+        return loss + alpha * kl, loss, nll, kl
 
     @staticmethod
-    def backward(ctx, g_loss, g_nll, g_kl):
-        lprobs, target, rows = ctx.saved_tensors
-        n = lprobs.size(0) // 2
-        dtype = _compute_dtype(lprobs)
-        half_kl = 0.5 * g_kl.to(dtype)
-        at_target = -((1.0 - ctx.epsilon - ctx.eps_i) * g_loss.to(dtype) + g_nll.to(dtype))
-        smooth = ctx.eps_i * g_loss.to(dtype)
-        grad = torch.zeros_like(lprobs)
-        for start in range(0, rows.numel(), ctx.chunk_rows):
-            r = rows[start:start + ctx.chunk_rows]
-            a = lprobs.index_select(0, r).to(dtype)
-            b = lprobs.index_select(0, r + n).to(dtype)
-            # d/d(log p) of 1/2 sum (p - q)(log p - log q) is 1/2 [p (log p - log q) + p - q]
-            diff = _log_ratio(a, b)
-            pa = a.exp_().mul_(half_kl)
-            pb = b.exp_().mul_(half_kl)
-            ga = (diff + 1).mul_(pa).sub_(pb)
-            gb = diff.neg_().add_(1).mul_(pb).sub_(pa)
-            if target is not None:
-                if ctx.eps_i:
-                    ga -= smooth
-                    gb -= smooth
-                t = target.index_select(0, r).unsqueeze(1)
-                src = at_target.expand(t.shape)
-                ga.scatter_add_(1, t, src)
-                gb.scatter_add_(1, t, src)
-            grad.index_copy_(0, r, ga.to(grad.dtype))
-            grad.index_copy_(0, r + n, gb.to(grad.dtype))
-        return grad, None, None, None, None
+    def backward(ctx, g_total, *unused):
+        grad = getattr(ctx, "grad", None)
+        if grad is None:
+            raise RuntimeError(
+                "rdrop_loss supports one backward per forward: its backward scales, in "
+                "place, the gradient kept from the forward (no retain_graph reuse)"
+            )
+        del ctx.grad
+        factor = (g_total * ctx.row_factor).view(1, -1, 1)
+        return grad.mul_(factor), None, None, None, None, None, None, None
+
+
+def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef, h, eps_i,
+                c1):
+    """Per row pair ``(x, y) = (pairs[0, i], pairs[1, i])``, with ``la, lb`` their
+    log-probabilities (log_softmax of logits, or the inputs), ``pa, pb`` the
+    probabilities and ``d = la - lb``:
+
+    * stats ``(5, N)``: ``-(la[t] + lb[t])``, ``-(sum la + sum lb)``, ``KL(pa||pb)``,
+      ``KL(pb||pa)``, and the factor that undoes the gradient's storage scale;
+    * the gradient of ``c1 * nll + eps_i * smooth + h * (KL(pa||pb) + KL(pb||pa))``:
+
+        g_a = pa * (P + h (1 + d - Ka)) - h pb - eps_i - c1 [v = t]
+        g_b = pb * (P + h (1 - d - Kb)) - h pa - eps_i - c1 [v = t]
+
+      with ``P = pcoef, Ka = KL(pa||pb), Kb = KL(pb||pa)`` from logits (the log_softmax
+      chain folded in) and ``P = Ka = Kb = 0`` from log-probabilities.
+
+    Chunks of ``chunk_rows`` pairs; every op works on both passes at once where it can,
+    because on a GPU each op is a kernel launch. Without ``need_grad`` the gradient is
+    neither computed nor allocated (``grad`` is None).
+    """
+    dtype = _compute_dtype(pairs)
+    n = pairs.size(1)
+    grad = torch.empty(pairs.shape, dtype=pairs.dtype, device=pairs.device) if need_grad else None
+    # scores in the compute dtype (fp32 logits, say): the probabilities live in the
+    # gradient buffer until the gradient overwrites them, halving a chunk's temporaries
+    in_place = need_grad and pairs.dtype == dtype
+    index = target.view(1, n, 1).expand(2, n, 1)
+    scale_fp16 = need_grad and pairs.dtype == torch.float16
+    # per-row results are written into buffers made up front: no small tensor outlives a
+    # chunk, so the allocator hands each chunk the memory the last one freed
+    at_target = torch.empty((2, n, 1), dtype=dtype, device=pairs.device)
+    sums = torch.empty((2, n), dtype=dtype, device=pairs.device)
+    dots = torch.empty((n, 2, 1), dtype=dtype, device=pairs.device)
+    inv_scale = torch.ones(n, dtype=dtype, device=pairs.device)
+    grads = grad.split(chunk_rows, 1) if need_grad else [None] * math.ceil(n / chunk_rows)
+    for x, t, g, at, sm, dot, inv in zip(
+            pairs.split(chunk_rows, 1), index.split(chunk_rows, 1), grads,
+            at_target.split(chunk_rows, 1), sums.split(chunk_rows, 1), dots.split(chunk_rows),
+            inv_scale.split(chunk_rows)):
+        if from_logits:
+            lp = torch.log_softmax(x, -1, dtype=dtype)
+        else:
+            lp = x.to(dtype, copy=True)
+        torch.gather(lp, -1, t, out=at)
+        torch.sum(lp, -1, out=sm)
+        p = torch.exp(lp, out=g) if in_place else lp.exp()
+        la, lb = lp.unbind(0)
+        d = la.sub_(lb)  # la's storage now holds d = la - lb
+        if not from_logits:  # a class both passes rule out: -inf - -inf; it adds nothing
+            d.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+        pa, pb = p.unbind(0)
+        # row dot products (sum_v pa d, sum_v pb d) = (KL(pa||pb), -KL(pb||pa)), as (r, 2, 1)
+        torch.bmm(p.transpose(0, 1), d.unsqueeze(-1), out=dot)
+        if g is None:
+            continue
+        # the gradient, in lp's storage: first e_a = d - Ka, e_b = -(d + Kb)
+        if from_logits:
+            dot_a, dot_b = dot.unbind(1)
+            torch.sub(dot_b, d, out=lb)
+            d.sub_(dot_a)
+        else:
+            torch.neg(d, out=lb)
+        lp.mul_(h).add_(pcoef + h).mul_(p)
+        la.sub_(pb, alpha=h)
+        lb.sub_(pa, alpha=h)
+        if eps_i:
+            lp.sub_(eps_i)
+        if c1:
+            lp.scatter_(-1, t, -c1, reduce="add")
+        if scale_fp16:
+            _scale_for_fp16(lp, inv)
+        g.copy_(lp)
+    dots = dots.view(n, 2)
+    stats = torch.stack([at_target.sum(0).view(n), sums.sum(0), dots[:, 0], dots[:, 1], inv_scale])
+    stats[:2].neg_()
+    stats[3].neg_()
+    return grad, stats
+
+
+def _scale_for_fp16(g, inv_scale):
+    """Scale each row pair of ``g`` (2, r, V) in place by a power of two so that its largest
+    entry is near :data:`_FP16_TARGET_MAX`; write the inverse scales into ``inv_scale``."""
+    biggest = g.abs().amax(dim=(0, 2)).clamp_min_(torch.finfo(torch.float32).tiny)
+    exponent = torch.floor(torch.log2(_FP16_TARGET_MAX / biggest)).clamp_(-24.0, 24.0)
+    g.mul_(torch.exp2(exponent).view(1, -1, 1))
+    torch.exp2(-exponent, out=inv_scale)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv with torch (CPU, pinned), a working fairseq, this plugin, the recipes' and
-# the tests' dependencies.
+# the tests' dependencies, and tensorboardX (fairseq's --tensorboard-logdir).
 # Idempotent: a second run only checks. Override the interpreter with PYTHON=..., the
 # environment with VENV=...
 set -euo pipefail
@@ -15,12 +15,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # checked from / so that the repository's own rdrop_fairseq/ does not count as installed
-if ! (cd / && "$VENV/bin/python" -c "import fairseq, rdrop_fairseq, pytest, xdist, sacremoses, subword_nmt, sentencepiece, rouge_score, matplotlib, tokenizers") 2>/dev/null; then
+if ! (cd / && "$VENV/bin/python" -c "import fairseq, rdrop_fairseq, pytest, xdist, sacremoses, subword_nmt, sentencepiece, rouge_score, matplotlib, tokenizers, triton, tensorboardX") 2>/dev/null; then
   echo "[setup] installing torch (CPU), fairseq and rdrop-fairseq into $VENV"
   "${PIP[@]}" -r requirements/torch-cpu.txt
   "${PIP[@]}" -r requirements/fairseq.txt
   "${PIP[@]}" --no-deps "$FAIRSEQ_WHEEL"
-  "${PIP[@]}" -e ".[test,recipes]"
+  "${PIP[@]}" -e ".[test,recipes,tensorboard]"
 fi
 (cd / && "$VENV/bin/python" -) <<'PY'
 import fairseq, numpy, torch, rdrop_fairseq

@@ -189,7 +189,7 @@ def lm_case(adaptive):
     if adaptive:
         def ours(alpha, two_passes=False, **kw):
             return AdaptiveLossRDrop(case.task, False, rdrop_alpha=alpha,
-                                     rdrop_two_passes=two_passes)
+                                     rdrop_two_passes=two_passes, **kw)
 
         def parent(**kw):
             return AdaptiveLoss(case.task, False)
@@ -209,7 +209,7 @@ def lm_case(adaptive):
     else:
         def ours(alpha, two_passes=False, **kw):
             return CrossEntropyRDropCriterion(case.task, False, rdrop_alpha=alpha,
-                                              rdrop_two_passes=two_passes)
+                                              rdrop_two_passes=two_passes, **kw)
 
         def parent(**kw):
             return CrossEntropyCriterion(case.task, False)
@@ -263,7 +263,7 @@ def sentence_case(regression):
     def ours(alpha, two_passes=False, **kw):
         return SentencePredictionRDropCriterion(
             SentencePredictionRDropConfig(rdrop_alpha=alpha, rdrop_two_passes=two_passes,
-                                          **config()), case.task)
+                                          **config(), **kw), case.task)
 
     def parent(**kw):
         return SentencePredictionCriterion(SentencePredictionConfig(**config()), case.task)
@@ -489,6 +489,86 @@ def test_invalid_alpha_is_rejected_naming_the_flag(case, alpha):
     case.build_model(dropout=0.1)
     with pytest.raises(ValueError, match="--rdrop-alpha"):
         case.ours(alpha=alpha)
+
+
+@pytest.mark.parametrize("chunk_mb", [-1.0, float("nan"), float("inf")])
+def test_invalid_chunk_size_is_rejected_naming_the_flag(case, chunk_mb):
+    case.build_model(dropout=0.1)
+    with pytest.raises(ValueError, match="--rdrop-chunk-mb"):
+        case.ours(alpha=1.0, rdrop_chunk_mb=chunk_mb)
+
+
+def test_unknown_or_unavailable_impl_is_rejected_naming_the_flag(case, monkeypatch):
+    from rdrop_fairseq import triton_kernel
+
+    case.build_model(dropout=0.1)
+    with pytest.raises(ValueError, match="--rdrop-impl"):
+        case.ours(alpha=1.0, rdrop_impl="cuda")
+    monkeypatch.setattr(triton_kernel, "triton", None)  # as without the package
+    with pytest.raises(ValueError, match="--rdrop-impl triton needs the triton package"):
+        case.ours(alpha=1.0, rdrop_impl="triton")
+
+
+@pytest.mark.parametrize("chunk_mb", [1e-6, 0.0])
+def test_chunk_size_changes_no_result(case, chunk_mb):
+    """One row pair per chunk or the automatic size: the same loss and gradients."""
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample()
+    a = run(case.ours(alpha=5.0, rdrop_chunk_mb=chunk_mb), model, sample, seed=5)
+    b = run(case.ours(alpha=5.0, rdrop_chunk_mb=1e6), model, sample, seed=5)
+    # float32 sums in another order (the adaptive case also re-runs its chunks)
+    torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-6)
+    assert_grads_close(a[3], b[3], rtol=1e-4, atol=1e-5)
+
+
+def test_training_step_adds_no_host_sync_over_the_parent(case):
+    """Whatever the fairseq parent synchronises on the doubled batch (the model's own
+    checks), the R-Drop criterion adds nothing to it: on a GPU the step never waits."""
+    from rdrop_fairseq.opcount import count_ops
+
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample(extra_pad=2)
+
+    def syncs(criterion, batch):
+        run(criterion, model, batch)  # the first step's once-only checks
+        with count_ops() as ops:
+            run(criterion, model, batch)
+        return ops.syncing
+
+    ours, parent = syncs(case.ours(alpha=5.0), sample), syncs(case.parent(), doubled(sample))
+    assert sum(ours.values()) <= sum(parent.values()), (ours, parent)
+
+
+def test_model_with_its_own_normalisation_takes_the_log_prob_path():
+    """A model whose get_normalized_probs is not fairseq's plain log_softmax (here: a
+    temperature) is trained on *its* distribution: loss and KL follow the formula on it."""
+    import types
+
+    from rdrop_fairseq.criterions.rdrop import uses_stock_log_softmax
+
+    case = CASES["translation"]()
+    model = case.build_model(dropout=0.3)
+    model.train()
+    assert uses_stock_log_softmax(model)
+
+    def tempered(self, net_output, log_probs, sample=None):
+        logits = net_output[0].float() / 2.0
+        return F.log_softmax(logits, -1) if log_probs else F.softmax(logits, -1)
+
+    model.get_normalized_probs = types.MethodType(tempered, model)
+    assert not uses_stock_log_softmax(model)
+    sample = case.make_sample()
+    loss, _, logs, grads = run(case.ours(alpha=5.0), model, sample, seed=11)
+    torch.manual_seed(11)
+    model.zero_grad()
+    ref_loss, ref_kl = case.reference(model, doubled(sample), 5.0)  # uses the model's lprobs
+    ref_loss.backward()
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=2e-5, atol=1e-5)
+    torch.testing.assert_close(logs["rdrop_kl"].double(), ref_kl.detach(), rtol=2e-5, atol=1e-6)
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert_grads_close(grads, ref_grads, rtol=1e-3, atol=1e-6)
 
 
 def test_off_criterion_says_so(case, caplog):

@@ -4,28 +4,28 @@ The KL must compare the two passes' *full* output distributions,
 ``p(w) = p_head(cluster(w)) * p_tail(w | cluster(w))``: a KL over the head alone would ignore
 how the passes spread probability inside the tail clusters (most of the vocabulary). We
 compute that distribution (what ``AdaptiveSoftmax.get_log_prob`` returns, but differentiable:
-fairseq's version writes into a log-softmax output in place) for every non-padding position
-of both passes, a few hundred thousand elements at a time, and take from it both the task
-loss ``-log p(target)`` and the symmetric KL, so that they see the same sub-models. That loss
-is fairseq's cluster-wise ``adaptive_loss`` except for one fairseq quirk we do not copy: it
-drops the tail term of the word with id ``cutoff[i] + padding_idx`` (docs/design.md). Each chunk is recomputed in the
-backward pass (activation checkpointing, same dropout masks) instead of being kept.
+fairseq's version writes into a log-softmax output in place) for every position of both
+passes, a few thousand rows at a time, and take from it both the task loss
+``-log p(target)`` and the symmetric KL, so that they see the same sub-models. That loss is
+fairseq's cluster-wise ``adaptive_loss`` except for one fairseq quirk we do not copy: it
+drops the tail term of the word with id ``cutoff[i] + padding_idx`` (docs/design.md).
+
+Each chunk is checkpointed (re-entrant: run without a graph, then recomputed with the same
+dropout masks and differentiated at once in the backward), so only one chunk's
+full-vocabulary tensors exist at a time. The number of chunks depends on shapes only and
+padding is masked by weights: nothing waits for the GPU.
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from fairseq import utils
 from fairseq.criterions import register_criterion
 from fairseq.criterions.adaptive_loss import AdaptiveLoss, AdaptiveLossConfig
 from torch.utils.checkpoint import checkpoint
 
-from ..core import rdrop_nll_loss
+from ..core import chunk_rows_for, rdrop_loss
 from .rdrop import RDropConfig, RDropMixin
-
-# Elements of full-vocabulary log-probabilities held at once.
-CHUNK_ELEMENTS = 1 << 21
 
 
 @dataclass
@@ -35,14 +35,17 @@ class AdaptiveLossRDropConfig(AdaptiveLossConfig, RDropConfig):
 
 @register_criterion("adaptive_loss_rdrop", dataclass=AdaptiveLossRDropConfig)
 class AdaptiveLossRDrop(RDropMixin, AdaptiveLoss):
-    def __init__(self, task, sentence_avg, rdrop_alpha=0.0, rdrop_two_passes=False):
+    def __init__(self, task, sentence_avg, rdrop_alpha=0.0, rdrop_two_passes=False,
+                 rdrop_chunk_mb=0.0, rdrop_impl="auto"):
         super().__init__(task, sentence_avg)
-        self.init_rdrop(rdrop_alpha, rdrop_two_passes, "adaptive_loss")
+        self.init_rdrop("adaptive_loss", rdrop_alpha, rdrop_two_passes, rdrop_chunk_mb,
+                        rdrop_impl)
 
     @classmethod
     def build_criterion(cls, cfg: AdaptiveLossRDropConfig, task):
         AdaptiveLoss.build_criterion(cfg, task)  # fairseq's own ddp-backend check
-        return cls(task, cfg.sentence_avg, cfg.rdrop_alpha, cfg.rdrop_two_passes)
+        return cls(task, cfg.sentence_avg, cfg.rdrop_alpha, cfg.rdrop_two_passes,
+                   cfg.rdrop_chunk_mb, cfg.rdrop_impl)
 
     def forward(self, model, sample, reduce=True):
         if not self.rdrop_active(model):
@@ -59,18 +62,19 @@ class AdaptiveLossRDrop(RDropMixin, AdaptiveLoss):
         net_output = model(**pair["net_input"])
         target = model.get_targets(pair, net_output).view(-1)
         features = net_output[0].reshape(-1, net_output[0].size(-1))
-        loss, kl = adaptive_rdrop_loss(adaptive_softmax, features, target, self.padding_idx)
-
-        ntokens = utils.strip_pad(sample["target"], self.padding_idx).numel()
-        sample_size = sample["target"].size(0) if self.sentence_avg else ntokens
+        total, loss, kl = adaptive_rdrop_loss(
+            adaptive_softmax, features, target, self.padding_idx, self.rdrop_alpha,
+            self.rdrop_chunk_mb, self.rdrop_impl,
+        )
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         logging_output = {
-            "loss": loss.data / 2,
-            "rdrop_kl": kl.data,
-            "ntokens": ntokens,
+            "loss": loss / 2,
+            "rdrop_kl": kl,
+            "ntokens": sample["ntokens"],
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
         }
-        return loss + self.rdrop_alpha * kl, sample_size, logging_output
+        return total, sample_size, logging_output
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:
@@ -78,27 +82,29 @@ class AdaptiveLossRDrop(RDropMixin, AdaptiveLoss):
         cls.reduce_rdrop_metrics(logging_outputs)
 
 
-def adaptive_rdrop_loss(adaptive_softmax, features, target, padding_idx):
-    """NLL of both passes and their symmetric KL over the full adaptive-softmax distribution.
+def adaptive_rdrop_loss(adaptive_softmax, features, target, padding_idx, alpha,
+                        chunk_mb=0.0, impl="auto"):
+    """``(total, loss, kl)``: NLL of both passes, their symmetric KL over the full
+    adaptive-softmax distribution, and ``total = loss + alpha * kl`` (differentiable).
 
     ``features``: ``(2N, d)`` adaptive-softmax inputs, pass 1 then pass 2; ``target``: ``(2N,)``.
     """
     n = features.size(0) // 2
-    rows = target[:n].ne(padding_idx).nonzero().squeeze(1)
-    chunk = max(1, CHUNK_ELEMENTS // (2 * adaptive_softmax.vocab_size))
-    total = features.new_zeros(2, dtype=torch.float32)
-    for start in range(0, rows.numel(), chunk):
-        both = torch.cat([rows[start:start + chunk], rows[start:start + chunk] + n])
-        total = total + checkpoint(
-            _chunk_loss, adaptive_softmax, features.index_select(0, both),
-            target.index_select(0, both), use_reentrant=False,
-        )
-    return total[0], total[1]
+    pairs = features.view(2, n, -1)
+    # full_log_prob holds about two copies of a chunk's log-probabilities (parts, then cat)
+    rows = max(1, chunk_rows_for(adaptive_softmax.vocab_size, features, chunk_mb) // 2)
+    sums = []
+    for x, t in zip(pairs.split(rows, 1), target[:n].split(rows)):
+        sums.append(checkpoint(_chunk_loss, adaptive_softmax, x.reshape(-1, x.size(-1)), t,
+                               padding_idx, alpha, impl, use_reentrant=True))
+    total, loss, kl = torch.stack(sums).sum(0).unbind()
+    return total, loss.detach(), kl.detach()
 
 
-def _chunk_loss(adaptive_softmax, features, target):
-    loss, _, kl = rdrop_nll_loss(full_log_prob(adaptive_softmax, features), target)
-    return torch.stack([loss, kl])
+def _chunk_loss(adaptive_softmax, features, target, padding_idx, alpha, impl):
+    out = rdrop_loss(full_log_prob(adaptive_softmax, features), target, alpha=alpha,
+                     ignore_index=padding_idx, log_probs=True, chunk_mb=0.0, impl=impl)
+    return torch.stack([out.total, out.loss, out.kl])
 
 
 def full_log_prob(adaptive_softmax, x):

@@ -5,7 +5,6 @@ from dataclasses import dataclass
 from fairseq.criterions import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 
-from .label_smoothed_cross_entropy_rdrop import token_level_rdrop_forward
 from .rdrop import RDropConfig, RDropMixin
 
 
@@ -16,23 +15,20 @@ class CrossEntropyRDropConfig(CrossEntropyCriterionConfig, RDropConfig):
 
 @register_criterion("cross_entropy_rdrop", dataclass=CrossEntropyRDropConfig)
 class CrossEntropyRDropCriterion(RDropMixin, CrossEntropyCriterion):
-    def __init__(self, task, sentence_avg, rdrop_alpha=0.0, rdrop_two_passes=False):
+    def __init__(self, task, sentence_avg, rdrop_alpha=0.0, rdrop_two_passes=False,
+                 rdrop_chunk_mb=0.0, rdrop_impl="auto"):
         super().__init__(task, sentence_avg)
-        self.init_rdrop(rdrop_alpha, rdrop_two_passes, "cross_entropy")
+        self.init_rdrop("cross_entropy", rdrop_alpha, rdrop_two_passes, rdrop_chunk_mb,
+                        rdrop_impl)
 
     def forward(self, model, sample, reduce=True):
         if not self.rdrop_active(model):
             return super().forward(model, sample, reduce=reduce)
-        loss, sample_size, logging_output = token_level_rdrop_forward(
-            self, model, sample, reduce, epsilon=0.0
+        loss, sample_size, logging_output = self.token_level_forward(
+            model, sample, reduce, epsilon=0.0
         )
         del logging_output["nll_loss"]  # cross_entropy logs the NLL as its loss
         return loss, sample_size, logging_output
-
-    def get_lprobs_and_target(self, model, net_output, sample):
-        lprobs = model.get_normalized_probs(net_output, log_probs=True)
-        target = model.get_targets(sample, net_output)
-        return lprobs.view(-1, lprobs.size(-1)), target.view(-1)
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

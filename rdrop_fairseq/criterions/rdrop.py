@@ -11,11 +11,14 @@ from dataclasses import dataclass, field
 
 import torch
 from fairseq import utils
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.logging import metrics
+from fairseq.models import BaseFairseqModel
+from fairseq.models.fairseq_decoder import FairseqDecoder
+from fairseq.models.transformer import TransformerModelBase
 from fairseq.modules import FairseqDropout
 
-from ..core import RDropBatchError, duplicate_net_input
+from ..core import IMPLS, RDropBatchError, duplicate_net_input, rdrop_loss
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +43,55 @@ class RDropConfig(FairseqDataclass):
             "'two passes without KL' ablation (appendix C.2); implied by --rdrop-alpha > 0"
         },
     )
+    rdrop_chunk_mb: float = field(
+        default=0.0,
+        metadata={
+            "help": "bound, in MiB, on the float32 temporaries of one chunk of the fused "
+            "R-Drop loss (torch implementation); 0 = automatic: 256 on CUDA, 16 on CPU"
+        },
+    )
+    rdrop_impl: ChoiceEnum(IMPLS) = field(
+        default="auto",
+        metadata={
+            "help": "fused R-Drop loss implementation: triton (one kernel per step; CUDA, "
+            "needs the triton package), torch (chunked torch ops), or auto (triton on CUDA "
+            "when importable, else torch)"
+        },
+    )
 
 
 class RDropMixin:
     """Shared R-Drop behaviour; call :meth:`init_rdrop` from the criterion's ``__init__``."""
 
-    def init_rdrop(self, rdrop_alpha, rdrop_two_passes, parent_name):
+    def init_rdrop(self, parent_name, rdrop_alpha=0.0, rdrop_two_passes=False,
+                   rdrop_chunk_mb=0.0, rdrop_impl="auto"):
         alpha = float(rdrop_alpha)
         if not alpha >= 0 or math.isinf(alpha):  # also rejects NaN
             raise ValueError(
                 f"--rdrop-alpha must be a finite number >= 0, got {rdrop_alpha}; use 0 (with "
                 "--rdrop-two-passes for the no-KL ablation) to turn the KL term off"
             )
+        chunk_mb = float(rdrop_chunk_mb)
+        if not chunk_mb >= 0 or math.isinf(chunk_mb):
+            raise ValueError(
+                f"--rdrop-chunk-mb must be a finite number of MiB >= 0 (0 = automatic), got "
+                f"{rdrop_chunk_mb}"
+            )
+        impl = str(rdrop_impl)
+        if impl not in IMPLS:
+            raise ValueError(f"--rdrop-impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        if impl == "triton":
+            from ..triton_kernel import triton_available
+
+            if not triton_available():
+                raise ValueError(
+                    "--rdrop-impl triton needs the triton package (pip install triton; it "
+                    "ships with torch's CUDA wheels); use --rdrop-impl auto or torch"
+                )
         self.rdrop_alpha = alpha
         self.rdrop_two_passes = bool(rdrop_two_passes)
+        self.rdrop_chunk_mb = chunk_mb
+        self.rdrop_impl = impl
         self._dropout_checked = False
         if not self.rdrop_enabled:
             logger.warning(
@@ -90,6 +128,54 @@ class RDropMixin:
         pair["target"] = torch.cat([target, target], dim=0)
         return pair
 
+    def rdrop_loss(self, scores, target, **kwargs):
+        """:func:`rdrop_fairseq.core.rdrop_loss` with this criterion's alpha, chunk size
+        and implementation."""
+        return rdrop_loss(scores, target, alpha=self.rdrop_alpha, chunk_mb=self.rdrop_chunk_mb,
+                          impl=self.rdrop_impl, **kwargs)
+
+    def token_level_forward(self, model, sample, reduce, epsilon):
+        """Two passes over ``[x; x]`` for a token-level criterion (label-smoothed or plain
+        cross-entropy, with this criterion's ``padding_idx``, ``sentence_avg`` and, if set,
+        ``ignore_prefix_size`` / ``report_accuracy``).
+
+        Returns fairseq's ``(loss, sample_size, logging_output)``: the loss is the task loss
+        of both passes plus alpha times the symmetric KL, for the gradient normalised by the
+        original sample size; the logged ``loss``/``nll_loss`` are the mean of the two
+        passes so that they read like a baseline run's. Nothing here waits for the GPU.
+        """
+        self.check_reduce(reduce)
+        pair = self.duplicate_sample(model, sample)
+        net_output = model(**pair["net_input"])
+        target = model.get_targets(pair, net_output)
+        target = target[: target.size(0) // 2]  # one pass's: the two are [t; t] by construction
+        keep = None
+        prefix = getattr(self, "ignore_prefix_size", 0)
+        if prefix > 0:  # masked rather than sliced: slicing would copy the logits
+            keep = torch.ones_like(target, dtype=torch.bool)
+            keep[:, :prefix] = False
+        if uses_stock_log_softmax(model):
+            scores, log_probs = net_output[0], False
+        else:
+            scores, log_probs = model.get_normalized_probs(net_output, log_probs=True), True
+        out = self.rdrop_loss(scores, target, epsilon=epsilon, ignore_index=self.padding_idx,
+                              keep=keep, log_probs=log_probs)
+        sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
+        logging_output = {
+            "loss": out.loss / 2,
+            "nll_loss": out.nll / 2,
+            "rdrop_kl": out.kl,
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        if getattr(self, "report_accuracy", False):
+            mask = target.ne(self.padding_idx) if keep is None else target.ne(self.padding_idx) & keep
+            predicted = scores.argmax(-1).view(2, *target.shape)
+            logging_output["n_correct"] = (predicted.eq(target) & mask).sum() / 2
+            logging_output["total"] = mask.sum()
+        return out.total, sample_size, logging_output
+
     @staticmethod
     def check_reduce(reduce):
         if not reduce:
@@ -108,6 +194,34 @@ class RDropMixin:
                 metrics.log_scalar(
                     key, total / max(sample_size, 1) / math.log(2), sample_size, round=4
                 )
+
+
+def uses_stock_log_softmax(model):
+    """Whether ``model.get_normalized_probs`` is fairseq's plain ``log_softmax`` of
+    ``net_output[0]``, so that the fused loss may start from the logits.
+
+    True for fairseq's encoder-decoder and decoder-only models without an adaptive softmax
+    (transformer, BART, transformer_lm, ...). A model or decoder that overrides the
+    normalisation keeps the log-probability path. (A DDP wrapper forwards these attributes
+    to the model.)
+    """
+    decoder = getattr(model, "decoder", None)
+    if decoder is None or getattr(decoder, "adaptive_softmax", None) is not None:
+        return False
+    model_fn = getattr(model.get_normalized_probs, "__func__", None)
+    return (
+        model_fn in (BaseFairseqModel.get_normalized_probs,
+                     TransformerModelBase.get_normalized_probs)
+        and _is_method(model.get_normalized_probs_scriptable,
+                       BaseFairseqModel.get_normalized_probs_scriptable)
+        and _is_method(decoder.get_normalized_probs, FairseqDecoder.get_normalized_probs)
+        and _is_method(decoder.get_normalized_probs_scriptable,
+                       FairseqDecoder.get_normalized_probs_scriptable)
+    )
+
+
+def _is_method(bound, function):
+    return getattr(bound, "__func__", None) is function
 
 
 def has_stochastic_layers(model):

@@ -8,7 +8,6 @@ task loss of both passes.
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from fairseq.criterions import register_criterion
 from fairseq.criterions.sentence_prediction import (
@@ -16,7 +15,7 @@ from fairseq.criterions.sentence_prediction import (
     SentencePredictionCriterion,
 )
 
-from ..core import mse_consistency, symmetric_kl
+from ..core import mse_consistency
 from .rdrop import RDropConfig, RDropMixin
 
 
@@ -29,7 +28,8 @@ class SentencePredictionRDropConfig(SentencePredictionConfig, RDropConfig):
 class SentencePredictionRDropCriterion(RDropMixin, SentencePredictionCriterion):
     def __init__(self, cfg: SentencePredictionRDropConfig, task):
         super().__init__(cfg, task)
-        self.init_rdrop(cfg.rdrop_alpha, cfg.rdrop_two_passes, "sentence_prediction")
+        self.init_rdrop("sentence_prediction", cfg.rdrop_alpha, cfg.rdrop_two_passes,
+                        cfg.rdrop_chunk_mb, cfg.rdrop_impl)
 
     def forward(self, model, sample, reduce=True):
         if not self.rdrop_active(model):
@@ -51,19 +51,20 @@ class SentencePredictionRDropCriterion(RDropMixin, SentencePredictionCriterion):
         )
         targets = model.get_targets(pair, [logits]).view(-1)
         logging_output = {}
+        sample_size = targets.numel() // 2
         if not self.regression_target:
-            lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)
-            task_loss = F.nll_loss(lprobs, targets, reduction="sum")
-            consistency = symmetric_kl(lprobs)
-            logging_output["rdrop_kl"] = consistency.data
+            # NLL of both passes (sentence_prediction's loss) + alpha * KL, from the logits
+            out = self.rdrop_loss(logits, targets[:sample_size])
+            total, task_loss = out.total, out.loss
+            logging_output["rdrop_kl"] = out.kl
             logging_output["ncorrect"] = (logits.argmax(dim=1) == targets).sum() / 2
         else:
             predictions = logits.view(-1).float()
             task_loss = F.mse_loss(predictions, targets.float(), reduction="sum")
             consistency = mse_consistency(predictions)
+            total = task_loss + self.rdrop_alpha * consistency
             logging_output["rdrop_mse"] = consistency.data
 
-        sample_size = targets.numel() // 2
         logging_output.update(
             {
                 "loss": task_loss.data / 2,
@@ -72,7 +73,7 @@ class SentencePredictionRDropCriterion(RDropMixin, SentencePredictionCriterion):
                 "sample_size": sample_size,
             }
         )
-        return task_loss + self.rdrop_alpha * consistency, sample_size, logging_output
+        return total, sample_size, logging_output
 
     @classmethod
     def reduce_metrics(cls, logging_outputs) -> None:

@@ -1,0 +1,67 @@
+"""Count the aten ops that code dispatches, and the ones that make a GPU wait for the host.
+
+On CUDA nearly every dispatched op is at least one kernel launch, and a few ops force the
+host to wait for the device (a value read back, or an output whose size depends on the
+data). Both are visible on CPU through torch's dispatcher, so a training step can be
+checked for launches and syncs without a GPU::
+
+    from rdrop_fairseq.opcount import count_ops
+    with count_ops() as ops:
+        loss, sample_size, log = criterion(model, sample)
+        loss.backward()
+    print(ops.total, ops.syncing)
+"""
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that synchronise with the host on CUDA: reading a value back (.item(), bool(), int(),
+# float(), Python branching on a tensor), comparing whole tensors, and ops whose output size
+# depends on the data.
+SYNCING_OPS = frozenset({
+    "aten._local_scalar_dense",
+    "aten.equal",
+    "aten.is_nonzero",
+    "aten.nonzero",
+    "aten.masked_select",
+    "aten.unique_consecutive",
+    "aten._unique2",
+    "aten._unique",
+    "aten.unique_dim",
+    "aten.repeat_interleave",
+})
+
+
+class count_ops(TorchDispatchMode):
+    """Context manager counting dispatched aten ops (``total``, ``by_op``) and syncing ones
+    (``syncing``: a Counter of op names; boolean-mask indexing counts as ``aten.index``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op = Counter()
+        self.syncing = Counter()
+
+    @property
+    def total(self):
+        return sum(self.by_op.values())
+
+    @property
+    def n_syncing(self):
+        return sum(self.syncing.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__qualname__ if hasattr(func, "overloadpacket") else str(func)
+        name = "aten." + name.split(".")[-1] if not name.startswith("aten.") else name
+        self.by_op[name] += 1
+        if name in SYNCING_OPS or (name in ("aten.index", "aten.index_put", "aten.index_put_")
+                                   and _has_bool_index(args)):
+            self.syncing[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _has_bool_index(args):
+    indices = args[1] if len(args) > 1 else ()
+    return any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8)
+               for i in (indices or ()))

@@ -1,0 +1,288 @@
+"""One fused Triton kernel for R-Drop's per-row loss terms and their gradient.
+
+``rdrop_rows_triton`` takes the scores of both passes, ``(2, N, V)``, and returns for every
+row pair ``i`` (pass 1 row ``x``, pass 2 row ``y``) the four loss terms and the gradient of
+
+    total = c1 * nll + eps_i * smooth + h * (kl_pq + kl_qp)
+
+with respect to ``x`` and ``y`` (logits, or log-probabilities with ``from_logits=False``).
+The caller scales and masks both (padding rows carry a valid class id here).
+
+One program handles one row pair and walks over V in ``BLOCK_V`` chunks, three times:
+
+1. online log-sum-exp of both rows (running max and rescaled running sum, as fused
+   cross-entropy kernels do), so any V fits;
+2. ``kl_pq = sum pa*d``, ``kl_qp = -sum pb*d`` (``d = la - lb``) and ``sum la``, ``sum lb``;
+3. the gradient, which needs the complete KLs of its row (the softmax chain rule), hence
+   a sweep of its own.
+
+From log-probabilities there is no log-sum-exp and the gradient needs no KL: sweep 2 alone
+does it all (except in float16, below). Memory traffic per row pair: each of the two rows
+is read 3 times from logits (once from log-probabilities), the gradient is written once in
+the input dtype, plus 5 floats of statistics.
+
+A float16 gradient is stored multiplied by a power of two per row pair (returned as its
+inverse in the statistics): most entries of a softmax gradient are ~1/V, fp16 subnormals
+at V = 32k. Sweep 2 tracks ``max pa |d|`` and ``max pb |d|``, which bound the row's
+gradient, and the scale brings that bound near 2**14 (from log-probabilities the gradient
+then moves to a third sweep as well). Nothing of size ``(2N, V)`` in float32 is ever allocated; all
+arithmetic is float32 in registers.
+
+Importing this module does not need triton (``triton_available()`` tells), and importing
+``rdrop_fairseq`` does not import this module (the core does so lazily). Triton reads
+``TRITON_INTERPRET`` when ``@triton.jit`` runs: for its own library (``tl.sum``...) at the
+first ``import triton`` of the process, for the kernel below at the import of this module.
+So the interpreter (CPU tensors) must be chosen before both.
+"""
+
+import contextlib
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path works without it
+    triton = None
+
+__all__ = ["triton_available", "rdrop_rows_triton"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# float16 gradients: each row pair's bound on |g| is scaled to about this (see above)
+FP16_TARGET_MAX = 2.0 ** 14
+
+# Columns per chunk at most, and columns per warp: 8 values per thread and row. Larger
+# vocabularies just loop. ptxas gives 48-91 registers and no spills for every chunk size
+# up to 4096 (16 warps; 64 on sm_80, so two such programs share an SM's 64k registers on
+# V100/RTX 3090/A100/H100); 16 values per thread took 150-180 registers from log-probs,
+# and 8192-column chunks 100-130.
+MAX_BLOCK_V = 4096
+COLUMNS_PER_WARP = 256
+
+
+def triton_available():
+    """True if triton can be imported (the kernel may still need a GPU, see below)."""
+    return triton is not None
+
+
+def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
+    """Per-row R-Drop terms and gradient of both passes in one kernel launch.
+
+    Args:
+        scores: ``(2, N, V)`` float16/bfloat16/float32, ``scores[0]`` pass 1, ``scores[1]``
+            pass 2; rows must be contiguous (``stride(-1) == 1``), the other strides are
+            free (a view of a ``(2N, V)`` tensor or a slice along N is read in place).
+        target: ``(N,)`` integer class ids, each in ``[0, V)`` (not checked: that would
+            synchronise with the device; an id out of range reads out of bounds).
+        from_logits: True if ``scores`` are logits (log_softmax is folded in), False if
+            they are log-probabilities already.
+        pcoef: coefficient of ``p`` in the gradient from the task loss, ``c1 + eps_i * V``
+            for label-smoothed NLL from logits (ignored with ``from_logits=False``).
+        h: weight of each KL direction (``alpha / 2``).
+        eps_i: weight of ``smooth`` (label smoothing per class).
+        c1: weight of ``nll``.
+
+    Returns ``(grad, stats)``: ``grad`` is ``(2, N, V)`` contiguous in the dtype of
+    ``scores``, the gradient of ``total`` (unmasked; in float16 multiplied by a power of
+    two per row pair); ``stats`` is ``(5, N)`` float32 contiguous with the rows ``nll =
+    -(la[t] + lb[t])``, ``smooth = -(sum la + sum lb)``, ``kl_pq = KL(pa||pb)``, ``kl_qp =
+    KL(pb||pa)``, and the factor that undoes the gradient's scale (1 but in float16). A class that both passes
+    rule out (``la = lb = -inf``) contributes nothing to the KLs nor their gradient; one
+    that only pass 1 rules out adds 0 to ``kl_pq`` and +inf to ``kl_qp`` (and vice versa).
+
+    Only shapes, dtypes and devices are checked: no host-device synchronisation.
+    """
+    if triton is None:
+        raise ImportError("rdrop_rows_triton needs triton (pip install triton)")
+    _check_inputs(scores, target)
+    _, n, vocab = scores.shape
+    grad = torch.empty((2, n, vocab), dtype=scores.dtype, device=scores.device)
+    stats = torch.empty((5, n), dtype=torch.float32, device=scores.device)
+    if n == 0:
+        return grad, stats
+    block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
+    num_warps = max(1, block_v // COLUMNS_PER_WARP)  # 1 to 16
+    # Triton launches on the current device, which need not be that of the tensors
+    with torch.cuda.device(scores.device) if scores.is_cuda else contextlib.nullcontext():
+        _rdrop_rows_kernel[(n,)](
+            scores, scores.stride(0), scores.stride(1), target, target.stride(0),
+            grad, grad.stride(0), grad.stride(1), stats, n, vocab,
+            float(pcoef), float(h), float(eps_i), float(c1), FP16_TARGET_MAX,
+            FROM_LOGITS=bool(from_logits), ROW_SCALE=scores.dtype == torch.float16,
+            BLOCK_V=block_v, num_warps=num_warps,
+            enable_fp_fusion=True,  # FMA as in CUDA code; explicit, as Triton 3.9 asks
+        )
+    return grad, stats
+
+
+def _check_inputs(scores, target):
+    if not torch.is_tensor(scores) or scores.dim() != 3 or scores.size(0) != 2:
+        shape = tuple(scores.shape) if torch.is_tensor(scores) else type(scores).__name__
+        raise ValueError(f"scores must be (2, N, V) with both passes stacked, got {shape}")
+    if scores.dtype not in _DTYPES:
+        raise ValueError(
+            f"the Triton kernel takes float16, bfloat16 or float32 scores, got {scores.dtype}"
+            " (use the torch path for float64)"
+        )
+    _, n, vocab = scores.shape
+    if vocab == 0:
+        raise ValueError("scores has V = 0 classes")
+    if scores.stride(-1) != 1 and vocab > 1:
+        raise ValueError(
+            f"the rows of scores must be contiguous (stride(-1) == 1), got strides "
+            f"{scores.stride()}: pass a contiguous copy"
+        )
+    if not torch.is_tensor(target) or target.dim() != 1 or target.size(0) != n:
+        shape = tuple(target.shape) if torch.is_tensor(target) else type(target).__name__
+        raise ValueError(f"target must be (N,) = ({n},) class ids, got {shape}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"target must hold int64 (or int32) class ids, got {target.dtype}")
+    if target.device != scores.device:
+        raise ValueError(f"target is on {target.device}, scores on {scores.device}")
+    if _KERNEL_INTERPRETED != _TRITON_INTERPRETED:
+        # the kernel would fail deep inside Triton with an obscure message
+        raise ValueError(
+            f"TRITON_INTERPRET changed between the first import of triton (interpreter: "
+            f"{_TRITON_INTERPRETED}) and that of rdrop_fairseq.triton_kernel (interpreter: "
+            f"{_KERNEL_INTERPRETED}): set it before both, they read it only then"
+        )
+    if scores.is_cuda or _KERNEL_INTERPRETED:
+        return
+    now = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    hint = (
+        " (TRITON_INTERPRET=1 is set now, but it was not when rdrop_fairseq.triton_kernel "
+        "was imported, and Triton reads it only then: set it before importing triton)"
+        if now else ""
+    )
+    raise ValueError(
+        f"the R-Drop Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 to run "
+        f"Triton's interpreter on CPU; got scores on {scores.device}{hint}"
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rdrop_rows_kernel(
+        s_ptr, stride_pass, stride_row, t_ptr, stride_t, g_ptr, g_stride_pass, g_stride_row,
+        stats_ptr, n, vocab,
+        pcoef, h, eps_i, c1, target_max, FROM_LOGITS: tl.constexpr, ROW_SCALE: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        # int64 row offsets: N * V can exceed 2**31 (the strides come as int64 then)
+        row = tl.program_id(0).to(tl.int64)
+        a_ptr = s_ptr + row * stride_row
+        b_ptr = a_ptr + stride_pass
+        ga_ptr = g_ptr + row * g_stride_row
+        gb_ptr = ga_ptr + g_stride_pass
+        cols0 = tl.arange(0, BLOCK_V)
+        t = tl.load(t_ptr + row * stride_t)
+
+        # sweep 1: online log-sum-exp of both rows. The running max starts at a finite
+        # floor so that exp(m_old - m_new) is never exp(-inf + inf) = nan when a row (or
+        # its first chunks) is all -inf (masked logits); masked columns load as -inf.
+        if FROM_LOGITS:
+            m_a = tl.full((), -3.0e38, tl.float32)
+            m_b = tl.full((), -3.0e38, tl.float32)
+            s_a = tl.zeros((), tl.float32)
+            s_b = tl.zeros((), tl.float32)
+            for start in range(0, vocab, BLOCK_V):
+                cols = start + cols0
+                mask = cols < vocab
+                x = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                y = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+                new_a = tl.maximum(m_a, tl.max(x, axis=0))
+                new_b = tl.maximum(m_b, tl.max(y, axis=0))
+                s_a = s_a * tl.exp(m_a - new_a) + tl.sum(tl.exp(x - new_a), axis=0)
+                s_b = s_b * tl.exp(m_b - new_b) + tl.sum(tl.exp(y - new_b), axis=0)
+                m_a = new_a
+                m_b = new_b
+            lse_a = m_a + tl.log(s_a)
+            lse_b = m_b + tl.log(s_b)
+        else:
+            lse_a = tl.zeros((), tl.float32)
+            lse_b = tl.zeros((), tl.float32)
+
+        # sweep 2: both KL directions and the sums of the log-probabilities; from
+        # log-probabilities also the gradient, which needs no KL there (see sweep 3)
+        kl_pq = tl.zeros((), tl.float32)
+        kl_qp = tl.zeros((), tl.float32)
+        sum_a = tl.zeros((), tl.float32)
+        sum_b = tl.zeros((), tl.float32)
+        big_a = tl.zeros((), tl.float32)  # max pa |d|, max pb |d|: for the fp16 scale
+        big_b = tl.zeros((), tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            cols = start + cols0
+            mask = cols < vocab
+            la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b)
+            # 0 log(0/q) = 0 for a class ruled out by one pass only (0 * inf would be nan;
+            # the other direction is then +inf, as it should)
+            kl_pq += tl.sum(tl.where(pa == 0.0, 0.0, pa * d), axis=0)
+            kl_qp -= tl.sum(tl.where(pb == 0.0, 0.0, pb * d), axis=0)
+            sum_a += tl.sum(tl.where(mask, la, 0.0), axis=0)
+            sum_b += tl.sum(tl.where(mask, lb, 0.0), axis=0)
+            if ROW_SCALE:
+                big_a = tl.maximum(big_a, tl.max(tl.where(pa == 0.0, 0.0, pa * tl.abs(d)), 0))
+                big_b = tl.maximum(big_b, tl.max(tl.where(pb == 0.0, 0.0, pb * tl.abs(d)), 0))
+            if not FROM_LOGITS and not ROW_SCALE:
+                # d/dla KL(p||q) = p (1 + d), d/dla KL(q||p) = -q
+                _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, h, h, h, eps_i, c1, 1.0)
+        la_t = tl.load(a_ptr + t).to(tl.float32) - lse_a
+        lb_t = tl.load(b_ptr + t).to(tl.float32) - lse_b
+        tl.store(stats_ptr + row, -(la_t + lb_t))
+        tl.store(stats_ptr + n + row, -(sum_a + sum_b))
+        tl.store(stats_ptr + 2 * n + row, kl_pq)
+        tl.store(stats_ptr + 3 * n + row, kl_qp)
+
+        # sweep 3, from logits: the gradient, through the softmax: d/dx KL(p||q) =
+        # p (d - KL(p||q)) needs the row's complete KL; d/dx KL(q||p) = p - q, and the
+        # task loss gives pcoef * p. (From log-probabilities: g = p h (1 + d) - h q ...)
+        if FROM_LOGITS:
+            coef_a = pcoef + h * (1.0 - kl_pq)
+            coef_b = pcoef + h * (1.0 - kl_qp)
+        else:
+            coef_a = h
+            coef_b = h
+        scale = 1.0
+        if ROW_SCALE:
+            # |g| <= |coef| p + h p |d| + h q + eps_i + |c1|, with p, q <= 1
+            bound = tl.maximum(tl.abs(coef_a) + h * big_a, tl.abs(coef_b) + h * big_b)
+            bound = tl.maximum(bound + h + eps_i + tl.abs(c1), 1.0e-30)
+            exponent = tl.minimum(tl.maximum(tl.floor(tl.log2(target_max / bound)), -24.0), 24.0)
+            scale = tl.exp2(exponent)
+            tl.store(stats_ptr + 4 * n + row, tl.exp2(-exponent))
+        else:
+            tl.store(stats_ptr + 4 * n + row, 1.0)
+        if FROM_LOGITS or ROW_SCALE:
+            for start in range(0, vocab, BLOCK_V):
+                cols = start + cols0
+                mask = cols < vocab
+                la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b)
+                _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h,
+                            eps_i, c1, scale)
+
+    @triton.jit
+    def _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b):
+        """la, lb, d = la - lb, pa, pb of one chunk (columns past V: -inf, d = 0)."""
+        la = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_a
+        lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
+        # -inf - (-inf) would be nan: a class ruled out by both passes counts 0; a nan
+        # input still gives nan
+        d = tl.where(la == lb, 0.0, la - lb)
+        return la, lb, d, tl.exp(la), tl.exp(lb)
+
+    @triton.jit
+    def _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h, eps_i, c1,
+                    scale):
+        """g_a = pa (coef_a + h d) - h pb - eps_i - c1 [v == t], g_b likewise, times scale."""
+        common = eps_i + tl.where(cols == t, c1, 0.0)
+        g_a = (pa * (coef_a + h * d) - h * pb - common) * scale
+        g_b = (pb * (coef_b - h * d) - h * pa - common) * scale
+        tl.store(ga_ptr + cols, g_a.to(ga_ptr.dtype.element_ty), mask=mask)
+        tl.store(gb_ptr + cols, g_b.to(gb_ptr.dtype.element_ty), mask=mask)
+
+    # what @triton.jit chose: the interpreter or compilation (see the module docstring)
+    _KERNEL_INTERPRETED = type(_rdrop_rows_kernel).__name__ == "InterpretedFunction"
+    _TRITON_INTERPRETED = type(tl.sum).__name__ == "InterpretedFunction"

@@ -1,0 +1,141 @@
+"""The LibreOffice demo (``bash scripts/demo.sh``) can be stopped and run again: a rerun
+reuses the prepared data and the finished runs, continues an interrupted run from its
+checkpoint, rebuilds a half-written data directory, refuses other settings in the same
+--out, and ``--fresh`` starts over. Tiny settings: 200 training pairs, 2 epochs, 2 runs."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = ["bash", str(REPO / "scripts" / "demo.sh"), "--quick", "--epochs", "2",
+        "--train-pairs", "200", "--eval-pairs", "20", "--runs", "baseline", "R-Drop"]
+
+
+def env(tmp_path):
+    return {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
+            "HOME": str(tmp_path)}
+
+
+def demo(tmp_path, out, *extra):
+    proc = subprocess.run([*DEMO, "--out", str(out), *extra], capture_output=True, text=True,
+                          timeout=600, env=env(tmp_path))
+    proc.output = proc.stdout + proc.stderr
+    return proc
+
+
+def table(stdout):
+    return [line for line in stdout.splitlines() if line.startswith("| ")]
+
+
+def processes_mentioning(text):
+    """Processes whose command line contains ``text`` (trainings left running)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                found.append(cmdline.parent.name)
+        except OSError:  # the process ended meanwhile
+            pass
+    return found
+
+
+def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
+    out = tmp_path / "demo"
+
+    # 1. Ctrl-C while training: the trainings stop, the output says how to go on
+    proc = subprocess.Popen([*DEMO, "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env(tmp_path),
+                            start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("[demo] training"):
+            break
+    assert seen[-1].startswith("[demo] training"), "".join(seen)[-3000:]  # ended early
+    time.sleep(1)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's process group
+    rest, _ = proc.communicate(timeout=120)
+    output = "".join(seen) + rest
+    assert proc.returncode != 0, output
+    assert "[demo] interrupted. Finished runs are kept in" in output, output[-2000:]
+    assert "smoke test" in output  # --quick says what it is
+    assert not processes_mentioning(str(out)), "trainings left running"
+
+    # 2. the rerun reuses the data, finishes the runs and prints the table
+    first = demo(tmp_path, out)
+    assert first.returncode == 0, first.output[-4000:]
+    assert "[demo] reusing the prepared data" in first.stdout
+    assert "Please install tensorboardX" not in first.output  # setup.sh installs it
+    assert "not a measurement" in first.stdout.split("| R-Drop |")[1]  # said after the table
+    results = json.loads((out / "results.json").read_text())
+    assert [len(c) for r in results["runs"].values() for c in r["valid_curves"]] == [2, 2]
+
+    # 3. a second rerun trains nothing and prints the same table from the saved results
+    checkpoints = {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint*.pt")}
+    logs = {p: p.read_text() for p in out.glob("*.log")}
+    again = demo(tmp_path, out)
+    assert again.returncode == 0, again.output[-4000:]
+    assert "valid BLEU" not in again.stdout and "[demo] training" not in again.stdout
+    assert "[baseline s1] finished earlier: test BLEU" in again.stdout
+    assert table(again.stdout) == table(first.stdout) and len(table(first.stdout)) == 3
+    assert json.loads((out / "results.json").read_text()) == results
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint*.pt")} == checkpoints
+    assert {p: p.read_text() for p in out.glob("*.log")} == logs
+
+    # 4. what an interruption during the baseline's 2nd epoch leaves (checkpoint_last.pt
+    # truncated while fairseq copied it), and a data directory whose preparation was cut
+    # short: the data is rebuilt, the baseline continues at epoch 2, R-Drop stays done
+    base = out / "baseline_seed1"
+    log = base.with_suffix(".log")
+    text = log.read_text()
+    log.write_text(text[:text.index("\n", text.index("Saved checkpoint " + str(base)))])
+    for name in ("result.json", "checkpoint2.pt", "checkpoint_avg2.pt"):
+        (base / name).unlink()
+    data = (base / "checkpoint1.pt").read_bytes()
+    (base / "checkpoint_last.pt").write_bytes(data[:len(data) // 2])
+    epoch1 = (base / "checkpoint1.pt").stat().st_mtime_ns
+    (out / "data" / "done.json").unlink()
+    shutil.rmtree(out / "data" / "bin")
+    cont = demo(tmp_path, out)
+    assert cont.returncode == 0, cont.output[-4000:]
+    assert "(no done.json): preparing it again" in cont.stdout
+    assert "[baseline s1] checkpoint_last.pt does not load" in cont.stdout
+    assert "[baseline s1] continuing from its checkpoint_last.pt (1 epoch done)" in cont.stdout
+    assert "[baseline s1] epoch 2: valid BLEU" in cont.stdout
+    assert "epoch 1: valid BLEU" not in cont.stdout
+    assert "[R-Drop s1] finished earlier" in cont.stdout
+    assert (base / "checkpoint1.pt").stat().st_mtime_ns == epoch1  # not trained again
+    continued = log.read_text()
+    assert continued.startswith(text[:text.index("Saved checkpoint " + str(base))])  # appended
+    assert len(re.findall(r"\| valid \| epoch 001 \|", continued)) == 1
+    assert len(re.findall(r"\| valid \| epoch 002 \|", continued)) == 1
+    # the update count (and with it the lr schedule) comes back only with the optimizer state
+    updates = r"\| valid \| epoch 002 \|.*\| num_updates (\d+)"
+    assert re.search(updates, continued)[1] == re.search(updates, text)[1]
+    resumed = json.loads((base / "result.json").read_text())
+    assert len(resumed["valid_curve"]) == 2 and resumed["valid_curve"][0] == (
+        results["runs"]["baseline"]["valid_curves"][0][0])
+
+    # 5. other settings in the same --out: a one-line error, nothing touched
+    other = demo(tmp_path, out, "--epochs", "3")
+    assert other.returncode == 1
+    assert other.stderr.strip().splitlines()[-1] == (
+        f"error: {out} holds a demo with other settings (epochs 2 -> 3); add --fresh to start "
+        "over there, or choose another --out")
+    assert (base / "result.json").is_file()
+
+    # 6. --fresh deletes the demo's outputs (and only those) and starts over
+    (out / "mine.txt").write_text("not the demo's")
+    fresh = demo(tmp_path, out, "--fresh", "--epochs", "1", "--runs", "baseline")
+    assert fresh.returncode == 0, fresh.output[-4000:]
+    assert "finished earlier" not in fresh.stdout
+    assert "[baseline s1] epoch 1: valid BLEU" in fresh.stdout
+    assert not (out / "r_drop_seed1").exists() and (out / "mine.txt").is_file()
+    assert json.loads((out / "settings.json").read_text())["epochs"] == 1

@@ -1,0 +1,98 @@
+"""The training step on the GPU's terms, checked on CPU: kernel launches (dispatched aten
+ops), host-device synchronisations, the Triton implementation through the criterion (in
+Triton's interpreter), and the benchmark script itself."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.bench_rdrop import TINY_ARCH, build_step, count_step_ops
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_step_adds_few_ops_and_no_sync_over_the_floor():
+    """V = 32k, 4096 target tokens per pass, --rdrop-chunk-mb 256: a whole training step
+    dispatches at most 150 ops more than fairseq's cross-entropy on the doubled batch,
+    and synchronises no more often (the floor's syncs are the model's own)."""
+    floor = count_step_ops(*build_step("floor", 32000, 4096, arch_args=TINY_ARCH))
+    ours = count_step_ops(*build_step("ours-torch", 32000, 4096, arch_args=TINY_ARCH,
+                                      extra_args=["--rdrop-chunk-mb", "256"]))
+    assert ours.total <= floor.total + 150, (ours.total, floor.total)
+    assert ours.n_syncing <= floor.n_syncing, (ours.syncing, floor.syncing)
+
+
+def test_padding_does_not_change_the_ops_a_step_dispatches():
+    """Masking by weights: the same kernels run whatever the padding (no data-dependent
+    shapes, which on a GPU would need a sync to size)."""
+    model, criterion, sample = build_step("ours-torch", 64, 128, arch_args=TINY_ARCH)
+    a = count_step_ops(model, criterion, sample)
+    sample["target"][::2, -8:] = 1  # more padding
+    b = count_step_ops(model, criterion, sample)
+    assert a.by_op == b.by_op
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_triton_impl_matches_torch_impl_through_the_criterion(dtype):
+    """--rdrop-impl triton runs the kernel on CPU tensors in Triton's interpreter
+    (TRITON_INTERPRET=1, set before triton is imported: hence a subprocess)."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent(f"""
+        import torch
+        from benchmarks.bench_rdrop import TINY_ARCH, build_step
+        results = []
+        for method in ("ours-torch", "ours-triton"):
+            model, criterion, sample = build_step(method, 50, 64, arch_args=TINY_ARCH,
+                                                  dtype={dtype!r})
+            torch.manual_seed(3)
+            loss, _, log = criterion(model, sample)
+            loss.backward()
+            grads = torch.cat([p.grad.double().flatten() for p in model.parameters()
+                               if p.grad is not None])
+            results.append((loss.double(), log["rdrop_kl"].double(), grads))
+        (l1, k1, g1), (l2, k2, g2) = results
+        tol = dict(rtol=1e-4, atol=1e-5) if {dtype!r} == "float32" else dict(rtol=2e-2, atol=2e-3)
+        torch.testing.assert_close(l2, l1, **tol)
+        torch.testing.assert_close(k2, k1, **tol)
+        # a bf16/fp16 model's backward amplifies rounding differences where values cancel:
+        # the gradients are compared as a whole
+        relative = float((g2 - g1).norm() / g1.norm())
+        assert relative < (1e-4 if {dtype!r} == "float32" else 2e-2), relative
+        print("OK", float(l1), float(l2), relative)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "OK" in proc.stdout
+
+
+def test_triton_impl_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model, criterion, sample = build_step("ours-triton", 50, 32, arch_args=TINY_ARCH)
+    with pytest.raises(ValueError, match="CUDA tensors, or TRITON_INTERPRET=1"):
+        criterion(model, sample)
+
+
+def test_benchmark_script_runs_and_prints_the_tables(tmp_path):
+    """A tiny run of every section on CPU: the tables have a row per method, and each
+    ratio is against the floor of its row group."""
+    md = tmp_path / "bench.md"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_rdrop.py", "all", "--vocab", "64", "--tokens", "32",
+         "--step-vocab", "64", "--step-tokens", "32", "--repeats", "1", "--threads", "1",
+         "--markdown", str(md)],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = md.read_text()
+    for method in ("floor", "upstream", "ours-torch"):
+        assert text.count(f"| {method} |") == 2, text  # one loss row, one step row
+    assert "| float32 V=64 N=32 | floor |" in text and "| 1.00 |" in text
+    assert "error" not in text.lower()
