@@ -17,7 +17,8 @@ setup(
         # triton: tests/test_triton_kernel.py runs the fused kernel in Triton's CPU
         # interpreter (verified with 3.0.0, 3.2.0 and 3.9.0); wheels exist for Linux only
         "test": ["pytest>=7", "pytest-xdist>=3", 'triton>=3.0; platform_system == "Linux"'],
-        # the recipes in scripts/ (tokenisation, BPE, sentencepiece for Chinese, ROUGE, plots,
+        # rdrop_fairseq.recipes, run by scripts/*.sh (tokenisation, BPE, sentencepiece for
+        # Chinese, ROUGE, plots,
         # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check)
         "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8", "sentencepiece>=0.1.99",
                     "rouge-score>=0.1.2", "matplotlib>=3.5", "tokenizers>=0.13"],

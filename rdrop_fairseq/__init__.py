@@ -16,9 +16,8 @@ __version__ = "0.1.0"
 # checkpoints for training resumption, fairseq-generate and fairseq-eval-lm.
 allow_fairseq_checkpoint_globals()
 
-# Without fairseq the core is still usable; with it, the criteria get registered, and two
-# fairseq 0.12 bugs the recipes hit (BART loading under hydra, no-op n-gram blocking) are
-# fixed narrowly: see fairseq_fixes.
+# Without fairseq the core is still usable; with it, the criteria get registered. (The two
+# fairseq 0.12 bugs the summarization recipe hits are fixed by that recipe alone, not here:
+# see fairseq_fixes.)
 if importlib.util.find_spec("fairseq") is not None:
     from . import criterions  # noqa: F401,E402
-    from . import fairseq_fixes  # noqa: F401,E402

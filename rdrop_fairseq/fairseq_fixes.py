@@ -17,11 +17,14 @@
    bans anything. Fix: a correct implementation, installed only when a self-check shows
    the installed one to be broken (fairseq releases whose fallback works are left alone).
 
-Importing this module applies both (idempotent). ``python -m rdrop_fairseq.fairseq_fixes``
-takes the arguments of ``fairseq-hydra-train`` and runs it with the fixes (what
-scripts/train_summarization.py does); the processes fairseq spawns for several GPUs
-re-import this main module, so they get the fixes too. scripts/evaluate_summarization.py
-imports it before ``BARTModel.from_pretrained``.
+Neither is applied by loading the plugin (``--user-dir``, ``import rdrop_fairseq``): only
+the summarization recipe needs them. Importing this module applies both (idempotent; the
+n-gram fix only where the self-check finds the bug, the BART fix only acts on a model
+without ``args.task``). ``python -m rdrop_fairseq.fairseq_fixes`` takes the arguments of
+``fairseq-hydra-train`` and runs it with the fixes (what scripts/cnndm_bart.sh's train stage
+runs); the processes fairseq spawns for several GPUs re-import this main module, so they
+get the fixes too. ``rdrop_fairseq.recipes.evaluate_summarization`` imports it before
+``BARTModel.from_pretrained``.
 """
 
 import functools

@@ -1,22 +1,46 @@
 """Helpers shared by the recipe tests (LM, summarization, GLUE)."""
 
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
 DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a download fails at once
 OFFLINE = {"http_proxy": DEAD_PROXY, "https_proxy": DEAD_PROXY, "HTTPS_PROXY": DEAD_PROXY,
            "HTTP_PROXY": DEAD_PROXY, "no_proxy": ""}  # env for run(): no network
 
 
 def run(cmd, ok=True, env=None):
-    """Run a recipe script or fairseq tool on one thread with the test environment's tools
+    """Run a recipe module, script or fairseq tool on one thread with the test environment's tools
     on PATH; ``proc.output`` is stdout + stderr. With ``ok``, a failure fails the test."""
-    full_env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
+    # the test environment's tools first, then the system's (the recipe scripts use coreutils)
+    path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
+    full_env = {"PATH": path, "OMP_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1", "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
-                          env=full_env)
+                          env=full_env, cwd=REPO)  # the root: python -m experiments.*
     proc.output = proc.stdout + proc.stderr
     if ok:
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc
+
+
+def script(name, *args, ok=True, **env):
+    """Run the recipe script scripts/NAME.sh with ARGS and the environment variables ENV."""
+    return run(["bash", REPO / "scripts" / f"{name}.sh", *args], ok=ok,
+               env={k: str(v) for k, v in env.items()})
+
+
+def dry_run(name, *args, ok=True, **env):
+    """The commands scripts/NAME.sh prints with DRY_RUN=1, each an argv list; and the run."""
+    proc = script(name, *args, ok=ok, DRY_RUN=1, **env)
+    commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines()
+                if line.startswith("+ ")]
+    return commands, proc
+
+
+def overrides_of(cmd):
+    """``{key: value}`` of a fairseq-hydra-train command's ``key=value`` arguments."""
+    return dict(arg.split("=", 1) for arg in cmd if "=" in arg and not arg.startswith("-"))

@@ -1,14 +1,13 @@
 """The LibreOffice help corpus: the builder on a tiny help tree, and the committed data."""
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
+from rdrop_fairseq.recipes import prepare_libreoffice_corpus as corpus
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import prepare_libreoffice_corpus as corpus  # noqa: E402
 
 DATA = REPO / "data" / "libreoffice-help-de-en"
 

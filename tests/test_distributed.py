@@ -45,7 +45,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import parse_stats, tail, tool
+from tests.test_cli import parse_stats, tail, tool
 
 TOL = 1e-5
 BATCH = 3  # examples per batch and rank

@@ -2,8 +2,9 @@
 byte-level GPT-2 BPE (encoder.json, vocab.bpe, dict.txt), a tiny random RoBERTa saved as a
 fairseq checkpoint in place of roberta.large, and tiny RTE (two inputs), STS-B (regression),
 CoLA (one input, MCC) and MNLI (three classes, two dev sets) folders in the GLUE layout:
-prepare -> fine-tune (R-Drop, baseline) -> evaluate; plus the per-task table against the
-paper, the config, the options and errors, and the metric functions."""
+prepare -> fine-tune (R-Drop, baseline, through scripts/glue.sh) -> evaluate; plus the
+per-task table against the paper, the config, the options and errors, and the metric
+functions."""
 
 import json
 import math
@@ -16,12 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from rdrop_fairseq.recipes import evaluate_glue, prepare_glue
+from tests.recipe_helpers import dry_run, overrides_of, run, script
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import evaluate_glue  # noqa: E402
-import prepare_glue  # noqa: E402
-import train_glue  # noqa: E402
-from recipe_helpers import run  # noqa: E402
+CONFIG = "roberta_glue_rdrop"
 
 BIN = Path(sys.executable).parent
 # roberta_base shrunk; the fine-tuning config's roberta_large values are overridden alike
@@ -138,7 +138,7 @@ def glue(tmp_path_factory):
     root = tmp_path_factory.mktemp("glue")
     bpe = write_gpt2_bpe(root / "gpt2_bpe", WORDS)
     data = write_glue(root / "glue_data")
-    log = run([sys.executable, REPO / "scripts" / "prepare_glue.py", "rte", "STS-B", "CoLA",
+    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_glue", "rte", "STS-B", "CoLA",
                "mnli", "--glue-dir", root / "glue_data", "--out", root / "bin",
                "--bpe-dir", bpe]).stdout
     # roberta.large stand-in: a masked-LM RoBERTa trained one update on RTE's text with the
@@ -302,11 +302,10 @@ def test_evaluate_command_line_errors(glue, tmp_path, capsys):
 # ------------------------------------------------------------------ fine-tune + evaluate
 
 
-def train(glue, task, save_dir, *args):
-    return run([sys.executable, REPO / "scripts" / "train_glue.py", task,
-                "--data", glue["bin"] / f"{task}-bin", "--roberta-checkpoint", glue["roberta"],
-                "--save-dir", save_dir, "--cpu", *args, "--",
-                *[f"model.{k}={v}" for k, v in TINY.items()], *FAST]).stdout
+def train(glue, task, save_dir, **env):
+    return script("glue", "train", *[f"model.{k}={v}" for k, v in TINY.items()], *FAST,
+                  TASK=task, GPUS=0, DATA_DIR=glue["bin"], SAVE_DIR=save_dir,
+                  ROBERTA_DIR=glue["roberta"].parent, **env).stdout
 
 
 def stats(log, kind):
@@ -325,7 +324,7 @@ def stats(log, kind):
     ("CoLA", "rdrop_kl", "mcc"), ("MNLI", "rdrop_kl", "accuracy")])
 def test_finetune_with_rdrop_then_evaluate(glue, tmp_path, task, consistency, metric):
     save = tmp_path / "ckpt"
-    log = train(glue, task, save, "--max-update", "3")
+    log = train(glue, task, save, MAX_UPDATE=3)
     assert "criterion: SentencePredictionRDropCriterion" in log
     assert f"Loaded checkpoint {glue['roberta']}" in log  # restored the RoBERTa stand-in
     inner = stats(log, "train_inner")
@@ -340,10 +339,9 @@ def test_finetune_with_rdrop_then_evaluate(glue, tmp_path, task, consistency, me
     best = float(re.findall(r"Saved checkpoint \S+checkpoint_best\.pt .*score ([-\d.]+)",
                             log)[-1])
 
-    out = run([sys.executable, REPO / "scripts" / "evaluate_glue.py", task.lower(),
-               "--checkpoint", save / "checkpoint_best.pt", "--data", glue["bin"] / f"{task}-bin",
-               "--glue-dir", glue["glue_dir"], "--bpe-dir", glue["bpe"], "--cpu",
-               "--batch-size", "3", "--json", tmp_path / "m.json"])
+    out = script("glue", "evaluate", "--batch-size", "3", "--json", tmp_path / "m.json",
+                 TASK=task.lower(), GPUS=0, DATA_DIR=glue["bin"], SAVE_DIR=save,
+                 GLUE_DIR=glue["glue_dir"], BPE_DIR=glue["bpe"])
     results = json.loads((tmp_path / "m.json").read_text())["metrics"]
     dev_splits = prepare_glue.TASKS[task].dev_splits  # MNLI: matched and mismatched
     assert list(results) == list(dev_splits)
@@ -364,8 +362,8 @@ def test_finetune_with_rdrop_then_evaluate(glue, tmp_path, task, consistency, me
 
 
 def test_baseline_mode_is_fairseqs_sentence_prediction(glue, tmp_path):
-    log = train(glue, "RTE", tmp_path / "ckpt", "--mode", "baseline", "--max-update", "2")
-    assert "criterion.rdrop_alpha=0.0" in log and "R-Drop is off" in log
+    log = train(glue, "RTE", tmp_path / "ckpt", MODE="baseline", MAX_UPDATE=2)
+    assert "criterion.rdrop_alpha=0 " in log and "R-Drop is off" in log
     inner = stats(log, "train_inner")
     assert len(inner) == 2 and all("rdrop_kl" not in line and "loss" in line for line in inner)
     assert (tmp_path / "ckpt" / "checkpoint_best.pt").is_file()
@@ -373,7 +371,7 @@ def test_baseline_mode_is_fairseqs_sentence_prediction(glue, tmp_path):
     folder = tmp_path / "RTE"
     shutil.copytree(glue["glue_dir"] / "RTE", folder)
     shutil.copy(folder / "dev.tsv", folder / "heldout.tsv")
-    run([sys.executable, REPO / "scripts" / "evaluate_glue.py", "RTE", "--cpu",
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_glue", "RTE", "--cpu",
          "--checkpoint", tmp_path / "ckpt" / "checkpoint_best.pt", "--data",
          glue["bin"] / "RTE-bin", "--glue-dir", folder, "--bpe-dir", glue["bpe"],
          "--split", "heldout", "--split", "dev", "--json", tmp_path / "m.json"])
@@ -398,18 +396,20 @@ PAPER_TABLE = {
 }
 
 
-def test_task_table_is_the_papers():
-    assert {t: (s.max_update, s.batch_size, s.alpha) for t, s in train_glue.TASKS.items()} \
-        == PAPER_TABLE
-    assert set(prepare_glue.TASKS) == set(train_glue.TASKS) == set(evaluate_glue.METRICS)
-    assert {t: s.num_classes for t, s in train_glue.TASKS.items()} == {
+def test_task_table_is_the_papers(tmp_path):
+    o = {task: overrides_of(command(tmp_path, task)) for task in PAPER_TABLE}
+    assert {t: (int(x["optimization.max_update"]), int(x["dataset.batch_size"]),
+                float(x["criterion.rdrop_alpha"])) for t, x in o.items()} == PAPER_TABLE
+    assert set(prepare_glue.TASKS) == set(PAPER_TABLE) == set(evaluate_glue.METRICS)
+    assert {t: int(x["task.num_classes"]) for t, x in o.items()} == {
         **{t: 2 for t in PAPER_TABLE}, "MNLI": 3, "STS-B": 1}
     # checkpoint selection by what the paper reports
-    assert {t: s.metric for t, s in train_glue.TASKS.items()} == {
+    assert {t: x["checkpoint.best_checkpoint_metric"] for t, x in o.items()} == {
         **{t: "accuracy" for t in PAPER_TABLE}, "CoLA": "mcc", "STS-B": "pearson"}
     assert [t for t, s in prepare_glue.TASKS.items() if s.regression] == ["STS-B"]
     # warmup: 6% of the updates (fairseq's GLUE configs: CoLA 320, QNLI 1986, MNLI 7432)
-    assert [train_glue.warmup_updates(n) for n in (5336, 33112, 123873)] == [320, 1986, 7432]
+    assert [o[t]["lr_scheduler.warmup_updates"] for t in ("CoLA", "QNLI", "MNLI")] == [
+        "320", "1986", "7432"]
 
 
 def composed_config(name, overrides=()):
@@ -428,35 +428,20 @@ def composed_config(name, overrides=()):
     return cfg
 
 
-def command(tmp_path, task, *args, overrides=()):
-    """The fairseq-hydra-train command train_glue.py runs for a fake data-bin (no training)."""
-    data = tmp_path / f"{task}-bin"
-    for key in ("input0", "input1"):
-        (data / key).mkdir(parents=True, exist_ok=True)
-        for file in ("dict.txt", "train.bin", "valid.bin"):
-            (data / key / file).write_text("")
-    (data / "label").mkdir(exist_ok=True)
-    labels = {"MNLI": ["entailment", "neutral", "contradiction"]}.get(task, ["0", "1"])
-    (data / "label" / "dict.txt").write_text("".join(f"{x} 9\n" for x in labels)
-                                             + "madeupword0000 0\n")
-    for split in ("train", "valid"):
-        (data / "label" / f"{split}.label").write_text("0.5\n")
-    ckpt = tmp_path / "model.pt"
-    ckpt.write_bytes(b"")
-    argv = [task, "--data", str(data), "--roberta-checkpoint", str(ckpt),
-            "--save-dir", str(tmp_path / "s"), *args]
-    if overrides:
-        argv += ["--", *overrides]
-    return train_glue.hydra_command(train_glue.parse_args(argv))
-
-
-def overrides_of(cmd):
-    return dict(item.split("=", 1) for item in cmd if "=" in item and not item.startswith("-"))
+def command(tmp_path, task, *overrides, **env):
+    """The fairseq-hydra-train command scripts/glue.sh runs (DRY_RUN: no training)."""
+    (tmp_path / f"{task}-bin" / "input0").mkdir(parents=True, exist_ok=True)
+    (tmp_path / f"{task}-bin" / "input0" / "dict.txt").write_text("")
+    (tmp_path / "roberta").mkdir(exist_ok=True)
+    (tmp_path / "roberta" / "model.pt").write_bytes(b"")
+    env = {"TASK": task, "GPUS": 0, "DATA_DIR": tmp_path, "SAVE_DIR": tmp_path / "s",
+           "ROBERTA_DIR": tmp_path / "roberta", **env}
+    return dry_run("glue", "train", *overrides, **env)[0][-1]
 
 
 def test_config_holds_the_papers_common_settings(tmp_path):
     cmd = command(tmp_path, "RTE")
-    cfg = composed_config(train_glue.CONFIG, [o for o in cmd if o.startswith((
+    cfg = composed_config(CONFIG, [o for o in cmd if o.startswith((
         "task.num_classes", "criterion.", "dataset.batch_size", "optimization.max_update",
         "lr_scheduler.warmup_updates"))])
     assert (cfg.task._name, cfg.task.init_token, cfg.task.separator_token,
@@ -476,15 +461,15 @@ def test_config_holds_the_papers_common_settings(tmp_path):
     assert cfg.checkpoint.restore_file == "/nonexistent.pt"
     # every task's overrides compose (hydra syntax), e.g. MNLI's two validation sets
     for task in PAPER_TABLE:
-        cfg = composed_config(train_glue.CONFIG, [
-            o for o in command(tmp_path, task, "--update-freq", "2")
+        cfg = composed_config(CONFIG, [
+            o for o in command(tmp_path, task, UPDATE_FREQ=2)
             if o.split("=")[0].split(".")[0] in ("task", "criterion", "dataset", "optimization",
                                                   "lr_scheduler", "checkpoint")
             and not o.startswith(("task.data", "checkpoint.restore_file"))])
         assert cfg.optimization.update_freq == [2]
         assert cfg.criterion.regression_target == (task == "STS-B")
     assert cfg.checkpoint.best_checkpoint_metric == "pearson"  # STS-B, the last
-    cfg = composed_config(train_glue.CONFIG, [o for o in command(tmp_path, "MNLI")
+    cfg = composed_config(CONFIG, [o for o in command(tmp_path, "MNLI")
                                               if o.startswith("dataset.valid_subset")])
     assert cfg.dataset.valid_subset == "valid,valid1"
 
@@ -497,7 +482,7 @@ def test_config_architecture_is_fairseqs_roberta_large():
     from fairseq.models import ARCH_CONFIG_REGISTRY
     from omegaconf import OmegaConf
 
-    cfg = composed_config(train_glue.CONFIG)
+    cfg = composed_config(CONFIG)
     model = OmegaConf.to_container(cfg.model, resolve=True)
     reference = argparse.Namespace()
     ARCH_CONFIG_REGISTRY["roberta_large"](reference)
@@ -513,7 +498,6 @@ def test_train_fills_in_each_tasks_settings(tmp_path):
         assert (o["optimization.max_update"], o["dataset.batch_size"],
                 o["criterion.rdrop_alpha"]) == (str(max_update), str(batch), str(alpha)), task
         assert o["lr_scheduler.warmup_updates"] == str(int(0.06 * max_update))
-        assert o["task.num_classes"] == str(train_glue.TASKS[task].num_classes)
     o = overrides_of(command(tmp_path, "STS-B"))
     assert (o["criterion.regression_target"], o["checkpoint.best_checkpoint_metric"],
             o["criterion.report_pearson_and_spearman"]) == ("true", "pearson", "true")
@@ -522,71 +506,45 @@ def test_train_fills_in_each_tasks_settings(tmp_path):
     assert overrides_of(command(tmp_path, "MRPC"))["criterion.report_acc_and_f1"] == "true"
     assert overrides_of(command(tmp_path, "MNLI"))["dataset.valid_subset"] == "'valid,valid1'"
     # options: alpha, seed, shorter runs (warmup stays 6%), update-freq splits the batch
-    o = overrides_of(command(tmp_path, "QNLI", "--alpha", "0.3", "--seed", "4", "--max-update",
-                             "1000", "--update-freq", "4", overrides=["common.fp16=true"]))
+    o = overrides_of(command(tmp_path, "QNLI", "common.fp16=true", ALPHA=0.3, SEED=4,
+                             MAX_UPDATE=1000, UPDATE_FREQ=4))
     assert (o["criterion.rdrop_alpha"], o["common.seed"], o["optimization.max_update"],
             o["lr_scheduler.warmup_updates"], o["dataset.batch_size"],
             o["optimization.update_freq"], o["common.fp16"]) == (
         "0.3", "4", "1000", "60", "8", "[4]", "true")
-    cmd = command(tmp_path, "RTE", "--mode", "baseline")
-    assert overrides_of(cmd)["criterion.rdrop_alpha"] == "0.0"
+    cmd = command(tmp_path, "RTE", MODE="baseline")
+    assert overrides_of(cmd)["criterion.rdrop_alpha"] == "0"
 
 
-def test_train_validates_its_input(tmp_path, capsys, monkeypatch):
-    for args, message in [
-        (("WNLI",), "unknown GLUE task 'WNLI'"),
-        (("RTE", "--mode", "kl"), "must be one of rdrop, baseline, not 'kl'"),
-        (("RTE", "--mode", "baseline", "--alpha", "1"), "contradicts --mode baseline"),
-        (("RTE", "--update-freq", "3"), "does not divide RTE's batch of 8"),
+def test_train_validates_its_input(tmp_path):
+    for env, message in [
+        ({"TASK": "WNLI"}, "TASK must be one of CoLA, MRPC"),
+        ({"MODE": "kl"}, "MODE must be rdrop, baseline, no-kl or doubled-batch, not 'kl'"),
+        ({"MODE": "baseline", "ALPHA": "1"}, "ALPHA=1 contradicts MODE=baseline"),
+        ({"UPDATE_FREQ": "3"}, "UPDATE_FREQ=3 does not divide RTE's batch of 8"),
+        ({"DATA_DIR": tmp_path / "none"}, "none/RTE-bin/input0/dict.txt not found: run: "
+                                          "TASK=RTE bash scripts/glue.sh prepare"),
+        ({"ROBERTA_DIR": tmp_path / "none"}, "model.pt not found: ROBERTA_DIR must hold"),
     ]:
-        with pytest.raises(SystemExit):
-            command(tmp_path, *args)
-        assert message in capsys.readouterr().err, args
-    monkeypatch.setenv("MODE", "both")
-    with pytest.raises(SystemExit):
-        command(tmp_path, "RTE")
-    assert "not 'both'" in capsys.readouterr().err
-    monkeypatch.setenv("MODE", "baseline")
-    monkeypatch.setenv("SEED", "9")
-    assert {"criterion.rdrop_alpha=0.0", "common.seed=9"} <= set(command(tmp_path, "RTE"))
-    monkeypatch.delenv("MODE")
-    # a data-bin of another task, or none
-    command(tmp_path, "RTE")
-    with pytest.raises(SystemExit):
-        train_glue.parse_args(["MNLI", "--data", str(tmp_path / "RTE-bin"),
-                               "--roberta-checkpoint", str(tmp_path / "model.pt"),
-                               "--save-dir", str(tmp_path)])
-    assert "lists 2 labels (0, 1); MNLI has 3" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_glue.parse_args(["RTE", "--data", str(tmp_path / "none"), "--roberta-checkpoint",
-                               str(tmp_path / "model.pt"), "--save-dir", str(tmp_path)])
-    assert "no input0/dict.txt): run scripts/prepare_glue.py RTE" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_glue.parse_args(["RTE", "--data", str(tmp_path / "RTE-bin"),
-                               "--roberta-checkpoint", str(tmp_path / "missing.pt"),
-                               "--save-dir", str(tmp_path)])
-    assert "missing.pt does not exist" in capsys.readouterr().err
+        command(tmp_path, "RTE")  # the stand-ins
+        proc = script("glue", "train", ok=False, **{
+            "TASK": "RTE", "GPUS": 0, "DATA_DIR": tmp_path, "SAVE_DIR": tmp_path / "s",
+            "ROBERTA_DIR": tmp_path / "roberta", **env})
+        assert proc.returncode != 0 and message in proc.stderr, (env, proc.stderr)
 
 
-def test_train_from_scratch_needs_no_checkpoint(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("ROBERTA_CHECKPOINT", raising=False)
-    command(tmp_path, "SST-2")  # writes the SST-2 data-bin stand-in
-    argv = ["SST-2", "--data", str(tmp_path / "SST-2-bin"), "--save-dir", str(tmp_path / "s")]
-    o = overrides_of(train_glue.hydra_command(train_glue.parse_args(argv + ["--from-scratch"])))
+def test_train_from_scratch_or_a_run_to_resume_needs_no_checkpoint(tmp_path):
+    o = overrides_of(command(tmp_path, "SST-2", FROM_SCRATCH=1, ROBERTA_DIR=tmp_path / "none"))
     # fairseq's default restore: SAVE_DIR/checkpoint_last.pt when it exists (a resumed run,
     # nothing reset), else a random initialisation
     assert [o[f"checkpoint.{k}"] for k in ("restore_file", "reset_optimizer",
                                            "reset_dataloader", "reset_meters")] == [
         "checkpoint_last.pt", "false", "false", "false"]
     assert o["task.num_classes"] == "2" and o["criterion.rdrop_alpha"] == "1.0"
-    for args, message in [
-        ((), "--roberta-checkpoint (or $ROBERTA_CHECKPOINT) is required (or --from-scratch)"),
-        (("--from-scratch", "--roberta-checkpoint", "x.pt"),
-         "--from-scratch contradicts --roberta-checkpoint x.pt"),
-    ]:
-        with pytest.raises(SystemExit):
-            train_glue.parse_args(argv + list(args))
-        assert message in capsys.readouterr().err, args
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "checkpoint_last.pt").write_bytes(b"")
+    o = overrides_of(command(tmp_path, "SST-2", ROBERTA_DIR=tmp_path / "none"))
+    assert o["checkpoint.restore_file"] == "checkpoint_last.pt"
 
 
 # ------------------------------------------------------------------ metrics

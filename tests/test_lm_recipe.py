@@ -1,6 +1,7 @@
 """The WikiText-103 language-model recipes end to end on a tiny corpus in the WikiText layout:
-prepare (zip) -> binarize -> train (gpt, wiki103; R-Drop and baseline) -> evaluate, the
-configs against fairseq's architectures and the paper, and the errors on missing data."""
+prepare (zip) -> binarize -> train through scripts/wikitext103.sh (ARCH gpt and adaptive;
+R-Drop and baseline) -> evaluate, the configs against fairseq's architectures and the paper,
+and the errors on missing data."""
 
 import json
 import math
@@ -13,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from rdrop_fairseq.recipes import evaluate_lm, prepare_wikitext
+from tests.recipe_helpers import OFFLINE, dry_run, run, script
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import evaluate_lm  # noqa: E402
-import prepare_wikitext  # noqa: E402
-import train_lm  # noqa: E402
-from recipe_helpers import OFFLINE, run  # noqa: E402
+CONFIGS = {"gpt": "transformer_lm_gpt_rdrop", "wiki103": "transformer_lm_wiki103_rdrop"}
+ARCH_OF = {"gpt": "gpt", "wiki103": "adaptive"}  # scripts/wikitext103.sh's ARCH
 
 TINY_MODEL = [f"model.decoder_{k}={v}" for k, v in (
     ("layers", 1), ("embed_dim", 32), ("input_dim", 32), ("output_dim", 32),
@@ -64,7 +65,7 @@ def wikitext(tmp_path_factory):
             zf.write(root / "corpus" / "wikitext-103" / f"wiki.{split}.tokens",
                      f"wikitext-103/wiki.{split}.tokens")
     out = root / "prep"
-    log = run([sys.executable, REPO / "scripts" / "prepare_wikitext.py", "--source", archive,
+    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wikitext", "--source", archive,
                "--out", out]).stdout
     return {"bin": out / "bin", "out": out, "corpus": corpus, "log": log}
 
@@ -94,7 +95,7 @@ def test_prepare_finds_the_files_in_a_directory(tmp_path):
 def test_prepare_offline_says_to_pass_a_local_path(tmp_path):
     """The default source is the download; with no network (here: a proxy that refuses every
     connection) it fails at once, saying to pass the local zip or directory."""
-    proc = run([sys.executable, REPO / "scripts" / "prepare_wikitext.py", "--out", tmp_path],
+    proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wikitext", "--out", tmp_path],
                ok=False, env=OFFLINE)
     assert proc.returncode != 0
     assert f"cannot download {prepare_wikitext.WIKITEXT103_URL}" in proc.stderr, proc.output
@@ -116,11 +117,11 @@ def test_prepare_missing_data_is_named(tmp_path):
         prepare_wikitext.corpus_files(tmp_path / "other.zip", tmp_path / "out")
 
 
-def train(recipe, data, save_dir, *args):
+def train(recipe, data_dir, save_dir, **env):
     extra = TINY_MODEL + FAST + (TINY_CUTOFF if recipe == "wiki103" else [])
-    return run([sys.executable, REPO / "scripts" / "train_lm.py", recipe, "--data", data,
-                "--save-dir", save_dir, "--max-update", UPDATES, "--max-tokens", 256, "--cpu",
-                *args, "--", *extra]).stdout
+    return script("wikitext103", "train", *extra, f"optimization.max_update={UPDATES}",
+                  ARCH=ARCH_OF[recipe], GPUS=0, DATA_DIR=data_dir, SAVE_DIR=save_dir,
+                  MAX_TOKENS=256, UPDATE_FREQ=1, **env).stdout
 
 
 def train_inner(log):
@@ -132,7 +133,7 @@ def train_inner(log):
 @pytest.mark.parametrize("recipe", ["gpt", "wiki103"])
 def test_recipe_trains_with_rdrop_and_evaluates(wikitext, tmp_path, recipe):
     save = tmp_path / "ckpt"
-    log = train(recipe, wikitext["bin"], save)
+    log = train(recipe, wikitext["out"], save)
     criterion = {"gpt": "CrossEntropyRDropCriterion", "wiki103": "AdaptiveLossRDrop"}[recipe]
     assert f"criterion: {criterion}" in log
     for line in train_inner(log):
@@ -141,15 +142,14 @@ def test_recipe_trains_with_rdrop_and_evaluates(wikitext, tmp_path, recipe):
     valid = [line for line in log.splitlines() if "valid on 'valid' subset" in line]
     assert valid and not any("rdrop_kl" in line for line in valid), log[-3000:]
 
-    out = run([sys.executable, REPO / "scripts" / "evaluate_lm.py", "--data", wikitext["bin"],
-               "--checkpoint", save / "checkpoint_best.pt", "--tokens-per-sample", 32,
-               "--context-window", 16, "--cpu", "--json", tmp_path / "ppl.json"]).stdout
+    out = script("wikitext103", "evaluate", "--tokens-per-sample", 32, "--context-window", 16,
+                 ARCH=ARCH_OF[recipe], GPUS=0, DATA_DIR=wikitext["out"], SAVE_DIR=save).stdout
     m = re.search(r"^test: perplexity ([\d.]+), loss ([\d.]+) bits/token", out, re.M)
     assert m, out[-3000:]
     ppl, loss = float(m[1]), float(m[2])
     assert math.isfinite(ppl) and ppl > 1
     assert ppl == pytest.approx(2 ** loss, rel=1e-3)
-    result = json.loads((tmp_path / "ppl.json").read_text())
+    result = json.loads((save / "test_ppl.json").read_text())
     assert result["perplexity"] == ppl and result["context_window"] == 16
     # every test token scored once: each word plus one end-of-line per line
     assert result["tokens"] == sum(len(line.split()) + 1 for line in wikitext["corpus"]["test"])
@@ -157,8 +157,8 @@ def test_recipe_trains_with_rdrop_and_evaluates(wikitext, tmp_path, recipe):
 
 @pytest.mark.parametrize("recipe", ["gpt", "wiki103"])
 def test_baseline_mode_is_the_plain_fairseq_criterion(wikitext, tmp_path, recipe):
-    log = train(recipe, wikitext["bin"], tmp_path / "ckpt", "--mode", "baseline")
-    assert "criterion.rdrop_alpha=0.0" in log
+    log = train(recipe, wikitext["out"], tmp_path / "ckpt", MODE="baseline")
+    assert "criterion.rdrop_alpha=0 " in log
     for line in train_inner(log):
         assert "rdrop_kl" not in line and re.search(r"loss=[\d.]+", line), line
     assert (tmp_path / "ckpt" / "checkpoint_last.pt").is_file()
@@ -198,7 +198,7 @@ def test_config_is_the_fairseq_architecture(recipe):
     from fairseq.models import ARCH_CONFIG_REGISTRY
     from omegaconf import OmegaConf
 
-    cfg = composed_config(train_lm.RECIPES[recipe])
+    cfg = composed_config(CONFIGS[recipe])
     model = argparse.Namespace(**OmegaConf.to_container(cfg.model, resolve=True))
     assert model._name == ARCH[recipe]
     ARCH_CONFIG_REGISTRY[model._name](model)
@@ -236,56 +236,38 @@ def test_configs_hold_the_papers_settings():
 
 @pytest.fixture
 def command(tmp_path):
-    """The fairseq-hydra-train command train_lm.py runs (no training)."""
-    (tmp_path / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(100)))
+    """The fairseq-hydra-train command scripts/wikitext103.sh runs (DRY_RUN: no training)."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "dict.txt").write_text("".join(f"w{i} 1\n" for i in range(100)))
 
-    def make(recipe, *args, overrides=()):
-        argv = [recipe, "--data", str(tmp_path), "--save-dir", str(tmp_path / "s"), *args]
-        if overrides:
-            argv += ["--", *overrides]
-        return train_lm.hydra_command(train_lm.parse_args(argv))
+    def make(recipe, *overrides, ok=True, **env):
+        commands, proc = dry_run("wikitext103", "train", *overrides, ok=ok, GPUS=0,
+                                 ARCH=ARCH_OF[recipe], DATA_DIR=tmp_path, SAVE_DIR=tmp_path / "s",
+                                 **env)
+        return commands[-1] if ok else proc
     return make
 
 
 def test_train_options_become_overrides(command):
     cmd = command("gpt")
     assert "--config-name" in cmd and "transformer_lm_gpt_rdrop" in cmd
-    assert not [c for c in cmd if c.startswith(("criterion.", "dataset.max_tokens",
-                                                "optimization."))]  # the config's values
-    cmd = command("gpt", "--alpha", "0.5", "--seed", "3", "--max-tokens", "1000",
-                  "--update-freq", "32", "--max-update", "10", overrides=["common.fp16=true"])
+    assert "criterion.rdrop_alpha=1" in cmd  # the paper's
+    assert not [c for c in cmd if c.startswith("optimization.max_update")]  # the config's
+    cmd = command("gpt", "optimization.max_update=10", "common.fp16=true", ALPHA=0.5, SEED=3,
+                  MAX_TOKENS=1000, UPDATE_FREQ=32)
     for item in ("criterion.rdrop_alpha=0.5", "common.seed=3", "dataset.max_tokens=1000",
                  "optimization.update_freq=[32]", "optimization.max_update=10"):
         assert item in cmd
     assert cmd[-1] == "common.fp16=true"
-    assert "criterion.rdrop_alpha=0.0" in command("gpt", "--mode", "baseline")
-    with pytest.raises(SystemExit, match="contradicts --mode baseline"):
-        command("gpt", "--mode", "baseline", "--alpha", "1")
+    assert "criterion.rdrop_alpha=0" in command("gpt", MODE="baseline")
+    assert "contradicts MODE=baseline" in command("gpt", ok=False, MODE="baseline",
+                                                   ALPHA=1).stderr
 
 
-def test_train_environment_variables(command, monkeypatch):
-    monkeypatch.setenv("MODE", "baseline")
-    monkeypatch.setenv("SEED", "7")
-    monkeypatch.setenv("UPDATE_FREQ", "4")
-    cmd = command("gpt")
-    assert {"criterion.rdrop_alpha=0.0", "common.seed=7",
-            "optimization.update_freq=[4]"} <= set(cmd)
-    monkeypatch.setenv("MODE", "kl")
-    with pytest.raises(SystemExit):
-        command("gpt")
-
-
-def test_wiki103_cutoffs_need_a_large_vocabulary(command, capsys):
-    with pytest.raises(SystemExit):
-        command("wiki103")
-    assert "need a vocabulary of more than 60000 words" in capsys.readouterr().err
-    assert TINY_CUTOFF[0] in command("wiki103", overrides=TINY_CUTOFF)
-
-
-def test_missing_data_bin_is_named(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        train_lm.parse_args(["gpt", "--data", str(tmp_path), "--save-dir", str(tmp_path)])
-    assert "run scripts/prepare_wikitext.py" in capsys.readouterr().err
+def test_wiki103_cutoffs_need_a_large_vocabulary(command):
+    proc = command("wiki103", ok=False)
+    assert proc.returncode != 0 and "need more than 60000 words" in proc.stderr
+    assert TINY_CUTOFF[0] in command("wiki103", *TINY_CUTOFF)
 
 
 def test_evaluate_reads_fairseqs_summary_and_refuses_anything_else():
@@ -306,10 +288,10 @@ def test_evaluate_exits_non_zero_when_the_output_has_no_perplexity(wikitext, tmp
     """Through the real tool: `-- --help` makes fairseq-eval-lm print its usage and exit 0."""
     checkpoint = tmp_path / "model.pt"
     checkpoint.write_bytes(b"")
-    proc = run([sys.executable, REPO / "scripts" / "evaluate_lm.py", "--data", wikitext["bin"],
+    proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_lm", "--data", wikitext["bin"],
                 "--checkpoint", checkpoint, "--cpu", "--", "--help"], ok=False)
     assert proc.returncode != 0
     assert "error: cannot read the perplexity" in proc.stderr, proc.output[-3000:]
-    proc = run([sys.executable, REPO / "scripts" / "evaluate_lm.py", "--data", wikitext["bin"],
+    proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_lm", "--data", wikitext["bin"],
                 "--checkpoint", tmp_path / "missing.pt"], ok=False)
     assert proc.returncode != 0 and "no checkpoint" in proc.stderr

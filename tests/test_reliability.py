@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import rdrop_fairseq  # noqa: F401  (the checkpoint allow-list, for torch.load below)
-from test_cli import (  # noqa: F401  (translation_data, user_dir: fixtures)
+from tests.test_cli import (  # noqa: F401  (translation_data, user_dir: fixtures)
     REPO,
     check_ok,
     generate_args,
@@ -37,7 +37,7 @@ from test_cli import (  # noqa: F401  (translation_data, user_dir: fixtures)
     translation_train_cmd,
     user_dir,
 )
-from test_criteria import doubled, translation_case
+from tests.test_criteria import doubled, translation_case
 
 # translation_data: 300 training pairs; --max-tokens 400 makes 6 updates an epoch
 UPDATES_PER_EPOCH = 6

@@ -1,5 +1,5 @@
-"""The scripts: the README's first command (the toy demo, shrunk), data preparation and
-BLEU scoring."""
+"""The recipe modules: data preparation, BLEU scoring, and the README's first command (the
+LibreOffice demo, shrunk)."""
 
 import math
 import re
@@ -16,26 +16,6 @@ from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_toy_demo_trains_generates_and_prints_the_table(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, REPO / "scripts" / "toy_demo.py", "--out", tmp_path / "demo",
-         "--max-update", "20", "--with-baseline"],
-        capture_output=True, text=True, timeout=600,
-        env={"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[demo] training R-Drop (alpha 5)" in proc.stdout  # progress is shown
-    assert re.search(r"^\s+valid \| epoch 001", proc.stdout, re.M), proc.stdout[-2000:]
-    rows = re.findall(r"^\| (baseline|R-Drop \(alpha 5\)) \| ([\d.]+) \| ([\d.]+) \| (\S+) \|",
-                      proc.stdout, re.M)
-    assert [r[0] for r in rows] == ["baseline", "R-Drop (alpha 5)"], proc.stdout[-2000:]
-    for name, valid_bleu, test_bleu, kl in rows:
-        assert 0 <= float(valid_bleu) <= 100 and 0 <= float(test_bleu) <= 100
-    assert rows[0][3] == "-" and float(rows[1][3]) > 0  # only R-Drop logs a KL
-    for run in ("baseline", "r_drop_alpha_5"):
-        assert (tmp_path / "demo" / run / "checkpoint_best.pt").is_file()
-
-
 def test_prepare_translation_tokenises_cleans_bpe_and_binarizes(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -48,7 +28,7 @@ def test_prepare_translation_tokenises_cleans_bpe_and_binarizes(tmp_path):
         (raw / f"{split}.en").write_text("\n".join(en) + "\n")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, REPO / "scripts" / "prepare_translation.py", "--raw", raw,
+        [sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation", "--raw", raw,
          "--out", out, "--bpe-merges", "20", "--lowercase"],
         capture_output=True, text=True, timeout=300,
         env={"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1"},
@@ -66,9 +46,8 @@ def test_prepare_translation_tokenises_cleans_bpe_and_binarizes(tmp_path):
 
 
 def test_prepare_translation_exports_the_committed_libreoffice_corpus(tmp_path):
-    sys.path.insert(0, str(REPO / "scripts"))
-    from prepare_libreoffice_corpus import read_pairs
-    from prepare_translation import export_libreoffice
+    from rdrop_fairseq.recipes.prepare_libreoffice_corpus import read_pairs
+    from rdrop_fairseq.recipes.prepare_translation import export_libreoffice
 
     export_libreoffice(tmp_path)
     pairs = read_pairs(REPO / "data" / "libreoffice-help-de-en" / "test.tsv.xz")
@@ -91,8 +70,7 @@ def test_tokenized_bleu_matches_a_hand_computed_multi_bleu_value(tmp_path):
         (math.log(9 / 10) + math.log(6 / 8) + math.log(4 / 6) + math.log(2 / 4)) / 4)
     assert expected == pytest.approx(62.32, abs=0.01)
 
-    sys.path.insert(0, str(REPO / "scripts"))
-    from score_bleu import tokenized_bleu
+    from rdrop_fairseq.recipes.score_bleu import tokenized_bleu
 
     assert tokenized_bleu(hyps, refs).score == pytest.approx(expected, abs=1e-6)
     # multi-bleu.perl is case-sensitive and unsmoothed: no 4-gram match gives 0
@@ -103,15 +81,14 @@ def test_tokenized_bleu_matches_a_hand_computed_multi_bleu_value(tmp_path):
     gen = tmp_path / "gen.out"
     gen.write_text("".join(f"S-{i}\tsrc\nT-{i}\t{r}\nH-{i}\t-0.5\t{h}\nD-{i}\t-0.5\t{h}\n"
                            for i, (h, r) in reversed(list(enumerate(zip(hyps, refs))))))
-    out = subprocess.run([sys.executable, REPO / "scripts" / "score_bleu.py",
+    out = subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.score_bleu",
                           "--generate-output", gen, "--tokenized"],
                          capture_output=True, text=True, check=True).stdout
     assert re.search(r"tokenized BLEU \(multi-bleu.perl\) = 62\.32,", out), out
 
 
 def test_compound_splitting_follows_fairseqs_convention():
-    sys.path.insert(0, str(REPO / "scripts"))
-    from score_bleu import compound_split, tokenized_bleu
+    from rdrop_fairseq.recipes.score_bleu import compound_split, tokenized_bleu
 
     assert compound_split("state-of-the-art x") == \
         "state ##AT##-##AT## of ##AT##-##AT## the ##AT##-##AT## art x"
@@ -127,7 +104,7 @@ def test_compound_splitting_follows_fairseqs_convention():
 def test_sacrebleu_mode_prints_the_signature(tmp_path):
     (tmp_path / "hyp").write_text("The cat sat on the mat.\n")
     (tmp_path / "ref").write_text("The cat sat on the mat.\n")
-    out = subprocess.run([sys.executable, REPO / "scripts" / "score_bleu.py",
+    out = subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.score_bleu",
                           "--hyp", tmp_path / "hyp", "--ref", tmp_path / "ref"],
                          capture_output=True, text=True, check=True).stdout
     assert re.search(r"sacreBLEU = 100\.00\s+nrefs:1\|case:mixed\|eff:no\|tok:13a", out), out
@@ -138,7 +115,7 @@ def test_libreoffice_demo_trains_scores_and_plots(tmp_path):
 
     out = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, REPO / "scripts" / "libreoffice_demo.py", "--quick", "--epochs", "2",
+        [sys.executable, "-m", "rdrop_fairseq.recipes.libreoffice_demo", "--quick", "--epochs", "2",
          "--train-pairs", "200", "--eval-pairs", "20", "--seeds", "1", "2", "--out", out],
         capture_output=True, text=True, timeout=900,
         env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)},

@@ -1,8 +1,9 @@
 """The CNN/DM summarization recipe end to end on stand-ins built here (nothing downloaded):
 a tiny GPT-2 byte-level BPE (encoder.json / vocab.bpe), a tiny randomly initialised BART
 saved like bart.large (model.pt + dict.txt, with the <mask> embedding row of the denoising
-task), and a tiny corpus in the CNN/DM layout. prepare -> fine-tune (R-Drop and baseline)
--> summarise + ROUGE; the config against fairseq's bart_large and the paper; the errors."""
+task), and a tiny corpus in the CNN/DM layout. prepare -> fine-tune (R-Drop and baseline,
+through scripts/cnndm_bart.sh) -> summarise + ROUGE; the config against fairseq's bart_large
+and the paper; the errors."""
 
 import json
 import math
@@ -14,13 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from rdrop_fairseq.recipes import evaluate_summarization, prepare_cnndm
+from tests.recipe_helpers import dry_run, run, script
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO))
-import evaluate_summarization  # noqa: E402
-import prepare_cnndm  # noqa: E402
-import train_summarization  # noqa: E402
-from recipe_helpers import run  # noqa: E402
+CONFIG = "bart_large_cnn_rdrop"
 
 TINY = {"encoder_layers": 1, "decoder_layers": 1, "encoder_embed_dim": 16,
         "decoder_embed_dim": 16, "encoder_ffn_embed_dim": 32, "decoder_ffn_embed_dim": 32,
@@ -96,7 +95,7 @@ def write_tiny_bart(root, dict_txt):
     import torch
 
     import rdrop_fairseq  # noqa: F401
-    from libreoffice_summarization_check import write_random_bart
+    from experiments.libreoffice_summarization_check import write_random_bart
 
     path = write_random_bart(root / "model.pt", dict_txt, TINY, seed=0, num_updates=500,
                              epoch=2)
@@ -114,7 +113,7 @@ def recipe(tmp_path_factory):
     write_bart_dict(root / "dict.txt", encoder_json, vocab_bpe, text)
     bart, n_embeddings = write_tiny_bart(root / "bart.tiny", root / "dict.txt")
     out = root / "prep"
-    log = run([sys.executable, REPO / "scripts" / "prepare_cnndm.py", "--raw", root / "cnn_dm",
+    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_cnndm", "--raw", root / "cnn_dm",
                "--out", out, "--encoder-json", encoder_json, "--vocab-bpe", vocab_bpe,
                "--dict", bart.parent / "dict.txt"]).stdout
     return {"root": root, "corpus": corpus, "encoder_json": encoder_json,
@@ -189,11 +188,16 @@ def test_prepare_names_what_is_missing(recipe, tmp_path):
 
 # ------------------------------------------------------------------ fine-tune + evaluate
 
-def train(recipe, save_dir, *args):
-    return run([sys.executable, REPO / "scripts" / "train_summarization.py",
-                "--data", recipe["bin"], "--bart-checkpoint", recipe["bart"],
-                "--save-dir", save_dir, "--max-update", UPDATES, "--max-tokens", 512,
-                "--update-freq", 1, "--cpu", *args, "--", *TINY_OVERRIDES, *FAST, *LEARN]).stdout
+def paths(recipe, save_dir):
+    """The environment that points scripts/cnndm_bart.sh at the stand-ins."""
+    return dict(GPUS=0, DATA_DIR=recipe["out"], SAVE_DIR=save_dir, RAW=recipe["root"] / "cnn_dm",
+                BPE_DIR=recipe["encoder_json"].parent, BART_DIR=recipe["bart"].parent)
+
+
+def train(recipe, save_dir, **env):
+    return script("cnndm_bart", "train", *TINY_OVERRIDES, *FAST, *LEARN,
+                  f"optimization.max_update={UPDATES}", MAX_TOKENS=512, UPDATE_FREQ=1,
+                  **paths(recipe, save_dir), **env).stdout
 
 
 def train_inner(log):
@@ -225,8 +229,8 @@ def test_finetune_with_rdrop_restores_bart_and_logs_the_kl(finetuned, recipe):
 
 
 def test_baseline_mode_is_the_plain_fairseq_criterion(recipe, tmp_path):
-    log = train(recipe, tmp_path / "ckpt", "--mode", "baseline")
-    assert "criterion.rdrop_alpha=0.0" in log
+    log = train(recipe, tmp_path / "ckpt", MODE="baseline")
+    assert "criterion.rdrop_alpha=0 " in log
     for line in train_inner(log):
         assert "rdrop_kl" not in line and re.search(r"loss=[\d.]+", line), line
     assert (tmp_path / "ckpt" / "checkpoint_last.pt").is_file()
@@ -235,11 +239,8 @@ def test_baseline_mode_is_the_plain_fairseq_criterion(recipe, tmp_path):
 def test_evaluate_summarises_every_test_article_and_scores_rouge(finetuned, recipe, tmp_path):
     save, _ = finetuned
     sources, targets = recipe["corpus"]["test"]
-    proc = run([sys.executable, REPO / "scripts" / "evaluate_summarization.py",
-                "--checkpoint", save / "checkpoint_best.pt", "--data", recipe["bin"],
-                "--raw", recipe["root"] / "cnn_dm", "--encoder-json", recipe["encoder_json"],
-                "--vocab-bpe", recipe["vocab_bpe"], "--json", tmp_path / "rouge.json", "--cpu",
-                *SHORT])
+    proc = script("cnndm_bart", "evaluate", *SHORT, "--json", tmp_path / "rouge.json",
+                  **paths(recipe, save))
     out = proc.stdout
     assert "beam 4, lenpen 2.0, max_len_b 12, min_len 3, no_repeat_ngram_size 3" in out
     assert re.search(rf"summarizing: 100%.*{len(sources)}/{len(sources)}", proc.stderr), \
@@ -258,15 +259,15 @@ def test_evaluate_summarises_every_test_article_and_scores_rouge(finetuned, reci
     assert result["rouge1"] == pytest.approx(evaluate_summarization.rouge(hyps, targets)["rouge1"],
                                              abs=1e-3)
 
-    assert result["stemmed"] is True and "stemmed;" in out
+    assert result["stemmed"] is False and "not stemmed;" in out  # files2rouge's default
 
     # --score-only scores the written hypotheses again, without the model
-    score = [sys.executable, REPO / "scripts" / "evaluate_summarization.py", "--score-only",
+    score = [sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_summarization", "--score-only",
              "--out", hypo, "--target", recipe["root"] / "cnn_dm" / "test.target"]
     assert m[0] in run(score).stdout
-    unstemmed = run(score + ["--no-stemmer", "--json", tmp_path / "plain.json"]).stdout
-    assert "not stemmed;" in unstemmed
-    assert json.loads((tmp_path / "plain.json").read_text())["stemmed"] is False
+    stemmed = run(score + ["--stemmer", "--json", tmp_path / "stemmed.json"]).stdout
+    assert ", stemmed;" in stemmed
+    assert json.loads((tmp_path / "stemmed.json").read_text())["stemmed"] is True
 
 
 def test_prepend_bos_data_is_what_the_hub_interface_feeds_the_model(finetuned, recipe,
@@ -278,7 +279,7 @@ def test_prepend_bos_data_is_what_the_hub_interface_feeds_the_model(finetuned, r
 
     save, _ = finetuned
     root = recipe["root"]
-    run([sys.executable, REPO / "scripts" / "prepare_cnndm.py", "--raw", root / "cnn_dm",
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_cnndm", "--raw", root / "cnn_dm",
          "--out", tmp_path, "--encoder-json", recipe["encoder_json"], "--vocab-bpe",
          recipe["vocab_bpe"], "--dict", recipe["bart"].parent / "dict.txt", "--prepend-bos"])
     bart = evaluate_summarization.load_bart(save / "checkpoint_best.pt", recipe["bin"],
@@ -304,7 +305,7 @@ def test_prepend_bos_data_is_what_the_hub_interface_feeds_the_model(finetuned, r
 
 # ----------------------------------------------------------------------------- ROUGE
 
-def test_rouge_is_rouge_score_f1_stemmed_with_summary_level_rouge_l():
+def test_rouge_follows_files2rouge_with_summary_level_rouge_l():
     rouge = evaluate_summarization.rouge
     ref = ["The cats sat on the mat. Dogs ran in the park."]
     assert rouge(ref, ref) == pytest.approx(dict.fromkeys(evaluate_summarization.ROUGE_KEYS,
@@ -313,14 +314,21 @@ def test_rouge_is_rouge_score_f1_stemmed_with_summary_level_rouge_l():
         dict.fromkeys(evaluate_summarization.ROUGE_KEYS, 0.0))
     assert rouge(["The cat sits on the mats."], ["The cats sat on the mat."])["rouge1"] > rouge(
         ["The dog ran off the rug."], ["The cats sat on the mat."])["rouge1"]
-    stem = rouge(["the cat run"], ["the cats running"])
-    assert stem["rouge1"] == pytest.approx(100.0)  # Porter stemming: cats/cat, running/run
-    assert rouge(["the cat run"], ["the cats running"], stem=False)["rouge1"] < 50
+    # files2rouge's default: no stemming; with it (ROUGE-1.5.5's -m), cats/cat, running/run
+    assert rouge(["the cat run"], ["the cats running"])["rouge1"] < 50
+    assert rouge(["the cat run"], ["the cats running"], stem=True)["rouge1"] == pytest.approx(100)
     # summary-level ROUGE-L (rougeLsum) takes the LCS per reference sentence, so sentences in
     # another order still match; sentence-level rougeL does not
     swapped = rouge(["Dogs ran in the park. The cats sat on the mat."], ref)
     assert swapped["rougeLsum"] == pytest.approx(100.0) and swapped["rougeL"] < 100
-    assert evaluate_summarization.split_sentences("A b. C d! E? f") == "A b.\nC d!\nE?\nf"
+    # files2rouge splits tokenised text at " . " only: not after "!" or "?", nor inside the
+    # abbreviation "U.S."
+    from sacremoses import MosesTokenizer
+
+    split = evaluate_summarization.split_sentences
+    assert split("The U.S. team won. Fans cheered! Why? Nobody knows.",
+                 MosesTokenizer(lang="en")) == (
+        "The U.S. team won .\nFans cheered ! Why ? Nobody knows .")
     with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
         rouge(["a", "b"], ["a"])
 
@@ -416,7 +424,7 @@ def test_config_is_bart_large():
     from fairseq.models import ARCH_CONFIG_REGISTRY
     from omegaconf import OmegaConf
 
-    cfg = composed_config(train_summarization.CONFIG)
+    cfg = composed_config(CONFIG)
     model = argparse.Namespace(**OmegaConf.to_container(cfg.model, resolve=True))
     assert model._name == "bart_large"
     ARCH_CONFIG_REGISTRY[model._name](model)
@@ -430,9 +438,9 @@ def test_config_is_bart_large():
 
 
 def test_config_holds_the_papers_settings():
-    cfg = composed_config(train_summarization.CONFIG)
+    cfg = composed_config(CONFIG)
     assert (cfg.criterion._name, cfg.criterion.rdrop_alpha, cfg.criterion.label_smoothing) == (
-        "label_smoothed_cross_entropy_rdrop", train_summarization.PAPER_ALPHA, 0.1)
+        "label_smoothed_cross_entropy_rdrop", 0.7, 0.1)
     assert (cfg.model.dropout, cfg.model.attention_dropout) == (0.1, 0.1)
     assert (cfg.task._name, cfg.task.source_lang, cfg.task.target_lang,
             cfg.task.truncate_source) == ("translation", "source", "target", True)
@@ -447,73 +455,50 @@ def test_config_holds_the_papers_settings():
 
 @pytest.fixture
 def command(tmp_path):
-    """The fairseq-hydra-train command train_summarization.py runs (no training)."""
-    data = tmp_path / "bin"
-    data.mkdir()
+    """The fairseq-hydra-train command scripts/cnndm_bart.sh runs (DRY_RUN: no training)."""
+    data = tmp_path / "data" / "bin"
+    data.mkdir(parents=True)
     for side in ("source", "target"):
         (data / f"dict.{side}.txt").write_text("13 5\n")
-    (tmp_path / "model.pt").write_bytes(b"")
+    (tmp_path / "bart").mkdir()
+    (tmp_path / "bart" / "model.pt").write_bytes(b"")
 
-    def make(*args, overrides=(), bart=True):
-        argv = ["--data", str(data), "--save-dir", str(tmp_path / "s"), *args]
-        if bart:
-            argv += ["--bart-checkpoint", str(tmp_path / "model.pt")]
-        if overrides:
-            argv += ["--", *overrides]
-        return train_summarization.hydra_command(train_summarization.parse_args(argv))
+    def make(*overrides, **env):
+        env = {"GPUS": 0, "DATA_DIR": tmp_path / "data", "SAVE_DIR": tmp_path / "s",
+               "BART_DIR": tmp_path / "bart", **env}
+        return dry_run("cnndm_bart", "train", *overrides, **env)[0][-1]
     return make
 
 
 def test_train_options_become_overrides(command, tmp_path):
     cmd = command()
     # fairseq-hydra-train with rdrop_fairseq/fairseq_fixes.py applied
-    assert cmd[:3] == [sys.executable, "-m", "rdrop_fairseq.fairseq_fixes"]
-    assert "--config-name" in cmd and train_summarization.CONFIG in cmd
-    assert f"checkpoint.restore_file={tmp_path / 'model.pt'}" in cmd
+    assert cmd[1:3] == ["-m", "rdrop_fairseq.fairseq_fixes"]
+    assert "--config-name" in cmd and CONFIG in cmd
+    assert f"checkpoint.restore_file={tmp_path / 'bart' / 'model.pt'}" in cmd
     assert "criterion.rdrop_alpha=0.7" in cmd
-    assert not [c for c in cmd if c.startswith(("dataset.max_tokens", "optimization."))]
-    cmd = command("--alpha", "0.5", "--seed", "3", "--max-tokens", "2048", "--update-freq", "4",
-                  "--max-update", "10", overrides=["common.fp16=true"])
+    assert not [c for c in cmd if c.startswith("optimization.max_update")]
+    cmd = command("optimization.max_update=10", "common.fp16=true", ALPHA=0.5, SEED=3,
+                  MAX_TOKENS=2048, UPDATE_FREQ=4)
     for item in ("criterion.rdrop_alpha=0.5", "common.seed=3", "dataset.max_tokens=2048",
                  "optimization.update_freq=[4]", "optimization.max_update=10"):
         assert item in cmd
     assert cmd[-1] == "common.fp16=true"
-    assert "criterion.rdrop_alpha=0.0" in command("--mode", "baseline")
-    with pytest.raises(SystemExit, match="contradicts --mode baseline"):
-        command("--mode", "baseline", "--alpha", "0.7")
+    assert "criterion.rdrop_alpha=0" in command(MODE="baseline")
 
 
-def test_train_environment_variables(command, monkeypatch, tmp_path):
-    monkeypatch.setenv("MODE", "baseline")
-    monkeypatch.setenv("SEED", "7")
-    monkeypatch.setenv("UPDATE_FREQ", "32")
-    monkeypatch.setenv("BART_CHECKPOINT", str(tmp_path / "model.pt"))
-    cmd = command(bart=False)
-    assert {"criterion.rdrop_alpha=0.0", "common.seed=7", "optimization.update_freq=[32]",
-            f"checkpoint.restore_file={tmp_path / 'model.pt'}"} <= set(cmd)
-    monkeypatch.setenv("MODE", "kl")
-    with pytest.raises(SystemExit):
-        command()
-
-
-def test_train_refuses_missing_inputs_and_overwriting_a_run(command, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        command(bart=False)
-    assert "--bart-checkpoint (or $BART_CHECKPOINT) is required" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        command("--bart-checkpoint", str(tmp_path / "nowhere.pt"), bart=False)
-    assert "nowhere.pt not found" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        train_summarization.parse_args(["--data", str(tmp_path), "--save-dir", str(tmp_path)])
-    assert "run scripts/prepare_cnndm.py" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        command("--resume")
-    assert "--resume: there is no" in capsys.readouterr().err
+def test_train_resumes_a_run_and_names_missing_inputs(command, tmp_path):
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "checkpoint_last.pt").write_bytes(b"")
-    with pytest.raises(SystemExit):
-        command()
-    assert "pass --resume to continue that run" in capsys.readouterr().err
-    cmd = command("--resume", bart=False)
-    assert {"checkpoint.restore_file=checkpoint_last.pt",
-            "checkpoint.reset_optimizer=false"} <= set(cmd)
+    # a SAVE_DIR holding checkpoint_last.pt: resumed (fairseq's default), nothing reset
+    cmd = command(BART_DIR=tmp_path / "nowhere")
+    assert {"checkpoint.restore_file=checkpoint_last.pt", "checkpoint.reset_optimizer=false",
+            "checkpoint.reset_dataloader=false", "checkpoint.reset_meters=false"} <= set(cmd)
+    for env, message in [({"SAVE_DIR": tmp_path / "new", "BART_DIR": tmp_path / "nowhere"},
+                          "nowhere/model.pt not found: BART_DIR must hold bart.large"),
+                         ({"DATA_DIR": tmp_path / "none"},
+                          "dict.source.txt not found: run: bash scripts/cnndm_bart.sh prepare")]:
+        proc = script("cnndm_bart", "train", ok=False, **{
+            "GPUS": 0, "DATA_DIR": tmp_path / "data", "SAVE_DIR": tmp_path / "s",
+            "BART_DIR": tmp_path / "bart", **env})
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr

@@ -1,5 +1,6 @@
-"""The translation recipe end to end on a tiny slice: prepare -> train -> average -> evaluate,
-and what each --mode turns into."""
+"""The translation recipes end to end on tiny slices, through scripts/iwslt14.sh and
+scripts/wmt14.sh: prepare -> train -> average -> evaluate. (What each MODE and GPU count
+turns into: tests/test_recipe_scripts.py.)"""
 
 import re
 import subprocess
@@ -8,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from experiments.toy_data import write_corpus
+from rdrop_fairseq.recipes.evaluate_translation import metric_for
+from tests.recipe_helpers import script
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-import train_translation  # noqa: E402
-from evaluate_translation import metric_for  # noqa: E402
-from toy_data import write_corpus  # noqa: E402
 
 TINY_MODEL = [f"model.{side}_{k}={v}" for side in ("encoder", "decoder")
               for k, v in (("layers", 1), ("embed_dim", 32), ("ffn_embed_dim", 64),
@@ -25,47 +26,6 @@ def run(cmd, **kw):
                           env=env, **kw)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
-
-
-@pytest.fixture
-def overrides(tmp_path):
-    """The fairseq-hydra-train command a --mode turns into (no training)."""
-    (tmp_path / "dict.de.txt").write_text("")  # parse_args insists on a data-bin
-
-    def command(mode, *extra):
-        a = train_translation.parse_args(["iwslt", "--data", str(tmp_path), "--save-dir",
-                                          str(tmp_path / "save"), "--mode", mode, *extra])
-        return train_translation.hydra_command(a)
-    return command
-
-
-@pytest.mark.parametrize("mode, expected, absent", [
-    ("rdrop", ["dataset.max_tokens=4096"], ["criterion.rdrop_alpha=0.0"]),
-    ("baseline", ["criterion.rdrop_alpha=0.0", "dataset.max_tokens=4096"], ["rdrop_two_passes"]),
-    ("no-kl", ["criterion.rdrop_alpha=0.0", "criterion.rdrop_two_passes=true",
-               "dataset.max_tokens=4096"], []),
-    ("doubled-batch", ["criterion.rdrop_alpha=0.0", "dataset.max_tokens=8192"],
-     ["rdrop_two_passes"]),
-])
-def test_modes_map_to_the_paper_settings(overrides, mode, expected, absent):
-    cmd = overrides(mode)
-    for item in expected:
-        assert item in cmd
-    assert not [c for c in cmd if any(a in c for a in absent)]
-
-
-def test_alpha_with_a_kl_free_mode_is_refused(overrides):
-    with pytest.raises(SystemExit, match="contradicts"):
-        overrides("baseline", "--alpha", "5")
-
-
-def test_mode_from_the_environment_is_checked(tmp_path, monkeypatch, capsys):
-    (tmp_path / "dict.de.txt").write_text("")
-    monkeypatch.setenv("MODE", "rdorp")
-    with pytest.raises(SystemExit):
-        train_translation.parse_args(["iwslt", "--data", str(tmp_path), "--save-dir", "x"])
-    assert "must be one of rdrop, baseline, no-kl, doubled-batch, not 'rdorp'" in \
-        capsys.readouterr().err
 
 
 def test_paper_metrics_per_recipe_and_pair():
@@ -86,13 +46,13 @@ def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
     write_corpus(tmp_path / "raw", {"train": 300, "valid": 20, "test": 20}, vocab=30,
                  max_len=8)
     prep = tmp_path / "prep"
-    run([sys.executable, REPO / "scripts" / "prepare_translation.py", "--raw", tmp_path / "raw",
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation", "--raw", tmp_path / "raw",
          "--out", prep, "--bpe-merges", "30"])
     save = tmp_path / "ckpt"
-    out = run([sys.executable, REPO / "scripts" / "train_translation.py", "iwslt",
-               "--data", prep / "bin", "--save-dir", save, "--max-update", "6",
-               "--max-tokens", "4096", "--cpu", "--", *TINY_MODEL,
-               "task.eval_bleu_args='{\"beam\": 1, \"max_len_b\": 10}'", "common.log_interval=1"])
+    out = script("iwslt14", "train", *TINY_MODEL, "optimization.max_update=6",
+                 "task.eval_bleu_args='{\"beam\": 1, \"max_len_b\": 10}'",
+                 "common.log_interval=1", GPUS=0, DATA_DIR=prep, SAVE_DIR=save).output
+    assert "batch: 1 device(s) x update-freq 1 x max-tokens 4096 = 4096 tokens" in out
     kls = [float(x) for x in re.findall(r"rdrop_kl=([\d.]+)", out)]
     assert len(kls) == 6 and all(k > 0 for k in kls), out[-3000:]
     assert re.search(r"valid on 'valid' subset .*\| bleu [\d.]+", out), out[-3000:]
@@ -100,11 +60,11 @@ def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
     assert len(epochs) >= 2
 
     avg = tmp_path / "avg.pt"
-    out = run([sys.executable, REPO / "scripts" / "average_checkpoints.py", "--inputs", save,
+    out = run([sys.executable, "-m", "rdrop_fairseq.recipes.average_checkpoints", "--inputs", save,
                "--num-epoch-checkpoints", "2", "--output", avg])
     assert "averaged 2 checkpoints" in out
 
-    out = run([sys.executable, REPO / "scripts" / "evaluate_translation.py", "iwslt",
+    out = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_translation", "iwslt",
                "--data", prep / "bin", "--checkpoint", avg, "--src", "de", "--tgt", "en",
                "--cpu", "--out", tmp_path / "gen.txt"])
     m = re.search(r"test: (\d+) sentences, tokenized BLEU \(tokenized\) = ([\d.]+)", out)
@@ -135,7 +95,7 @@ def test_prepare_iwslt_follows_fairseqs_iwslt14_recipe(tmp_path):
         tar.add(orig, arcname="de-en")
 
     out = tmp_path / "iwslt"
-    run([sys.executable, REPO / "scripts" / "prepare_iwslt.py", "--archive", archive,
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_iwslt", "--archive", archive,
          "--src", "de", "--tgt", "en", "--out", out, "--bpe-merges", "20"])
     raw_train = (out / "raw" / "train.en").read_text().splitlines()
     assert raw_train[:2] == ["House Titel", "House Beschreibung"]  # tags stripped, markup gone
@@ -157,7 +117,7 @@ def test_average_checkpoints_is_the_mean_of_the_float_parameters(tmp_path):
 
     import torch
 
-    from average_checkpoints import average, last_checkpoints
+    from rdrop_fairseq.recipes.average_checkpoints import average, last_checkpoints
 
     for i, scale in enumerate((1.0, 2.0, 6.0), start=1):
         torch.save({"model": {"w": torch.full((2, 2), scale), "h": torch.tensor([scale]).half(),
@@ -225,7 +185,7 @@ def test_prepare_wmt14_follows_fairseqs_wmt14_recipe_end_to_end(tmp_path):
                                   "test-full/newstest2014-deen-ref.de.sgm": _sgm(test_de)})
 
     out = tmp_path / "wmt"
-    log = run([sys.executable, REPO / "scripts" / "prepare_wmt14.py", "--pair", "en-de",
+    log = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wmt14", "--pair", "en-de",
                "--orig", orig, "--out", out, "--bpe-merges", "30", "--workers", "1"])
     tok_en = (out / "tok" / "train.en").read_text().splitlines()
     tok_de = (out / "tok" / "train.de").read_text().splitlines()
@@ -245,12 +205,12 @@ def test_prepare_wmt14_follows_fairseqs_wmt14_recipe_end_to_end(tmp_path):
     assert (out / "bin" / "test.en-de.de.bin").is_file()
 
     save = tmp_path / "ckpt"
-    run([sys.executable, REPO / "scripts" / "train_translation.py", "wmt14", "--data",
-         out / "bin", "--save-dir", save, "--max-update", "4", "--cpu", "--", *TINY_MODEL,
-         "dataset.required_batch_size_multiple=1"])  # valid holds one pair
-    result = run([sys.executable, REPO / "scripts" / "evaluate_translation.py", "wmt14",
-                  "--data", out / "bin", "--src", "en", "--tgt", "de", "--cpu",
-                  "--checkpoint", save / "checkpoint_last.pt", "--out", tmp_path / "gen.txt"])
+    env = dict(GPUS=0, DATA_DIR=out, SAVE_DIR=save, MAX_TOKENS=4096, UPDATE_FREQ=1)
+    script("wmt14", "train", *TINY_MODEL, "optimization.max_update=4",
+           "dataset.required_batch_size_multiple=1", **env)  # valid holds one pair
+    # as the authors: the average of the last epoch checkpoints (here 2), beam 4, lenpen 0.6
+    result = script("wmt14", "evaluate", "--out", tmp_path / "gen.txt", AVERAGE=2, **env).output
+    assert re.search(r"averaged 2 checkpoints \(checkpoint\d\.pt, checkpoint\d\.pt\)", result)
     m = re.search(r"test: 2 sentences, tokenized BLEU \(tokenized\+compound\) = ([\d.]+)", result)
     assert m and 0 <= float(m[1]) <= 100, result
     assert "[evaluate] beam 4, lenpen 0.6" in result
@@ -264,7 +224,7 @@ def _tok_en(line):
 
 
 def test_prepare_wmt14_says_which_archive_is_missing(tmp_path):
-    proc = subprocess.run([sys.executable, REPO / "scripts" / "prepare_wmt14.py", "--orig",
+    proc = subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wmt14", "--orig",
                            tmp_path, "--out", tmp_path / "out"], capture_output=True, text=True,
                           env={"PATH": str(Path(sys.executable).parent), "no_proxy": "*",
                                "http_proxy": "http://127.0.0.1:9"}, timeout=120)
@@ -300,7 +260,7 @@ def test_iwslt_en_zh_separate_sentencepiece_dictionaries_end_to_end(tmp_path):
         tar.add(orig, arcname="en-zh")
 
     out = tmp_path / "iwslt"
-    run([sys.executable, REPO / "scripts" / "prepare_iwslt.py", "--archive", archive,
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_iwslt", "--archive", archive,
          "--src", "en", "--tgt", "zh", "--out", out, "--vocab-size", "60"])
     bin_dir = out / "bin"
     assert (bin_dir / "spm.en.model").is_file() and (bin_dir / "spm.zh.model").is_file()
@@ -311,14 +271,11 @@ def test_iwslt_en_zh_separate_sentencepiece_dictionaries_end_to_end(tmp_path):
     assert all(len(line.split()) > 1 for line in zh_pieces[:20])  # segmented, not one token
     assert "".join(zh_pieces[0].split()).replace("\u2581", "") == lines["zh"][0]
 
-    save = tmp_path / "ckpt"
-    log = run([sys.executable, REPO / "scripts" / "train_translation.py", "iwslt", "--data",
-               bin_dir, "--src", "en", "--tgt", "zh", "--save-dir", save, "--max-update", "4",
-               "--cpu", "--", *TINY_MODEL, "dataset.required_batch_size_multiple=1"])
+    env = dict(GPUS=0, DATA_DIR=out, SAVE_DIR=tmp_path / "ckpt", SRC="en", TGT="zh")
+    log = script("iwslt14", "train", *TINY_MODEL, "optimization.max_update=4",
+                 "dataset.required_batch_size_multiple=1", **env).output
     assert "++model.share_all_embeddings=false" in log and "++task.eval_bleu=false" in log
-    result = run([sys.executable, REPO / "scripts" / "evaluate_translation.py", "iwslt",
-                  "--data", bin_dir, "--src", "en", "--tgt", "zh", "--cpu",
-                  "--checkpoint", save / "checkpoint_best.pt", "--out", tmp_path / "gen.txt"])
+    result = script("iwslt14", "evaluate", "--out", tmp_path / "gen.txt", **env).output
     m = re.search(r"test: 12 sentences, sacreBLEU = ([\d.]+) .*tok:zh", result)
     assert m and 0 <= float(m[1]) <= 100, result
     gen = (tmp_path / "gen.txt").read_text(encoding="utf-8")
@@ -333,7 +290,7 @@ def test_iwslt_en_zh_separate_sentencepiece_dictionaries_end_to_end(tmp_path):
 ])
 def test_prepare_translation_refuses_settings_that_cannot_work(tmp_path, argv, message,
                                                                capsys):
-    import prepare_translation
+    from rdrop_fairseq.recipes import prepare_translation
 
     with pytest.raises(SystemExit):
         prepare_translation.parse_args(["--raw", str(tmp_path), "--out", str(tmp_path), *argv])
@@ -341,7 +298,7 @@ def test_prepare_translation_refuses_settings_that_cannot_work(tmp_path, argv, m
 
 
 def test_non_printing_characters_become_spaces_and_punctuation_is_normalised():
-    import prepare_translation
+    from rdrop_fairseq.recipes import prepare_translation
 
     line = "a\u200bb\x07c \u201ed\u201c e\u2026"
     out = prepare_translation._process(line, "de", normalize=True, aggressive_dash=False,

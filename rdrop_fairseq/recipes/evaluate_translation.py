@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Translate the test set with fairseq-generate and score it as the paper does.
+
+Per recipe: beam 5 / lenpen 1.0 for IWSLT, beam 4 / lenpen 0.6 for WMT14; tokenized BLEU
+(multi-bleu.perl equivalent) for En<->De and WMT14, with compound splitting for WMT14
+En->De; sacreBLEU (detokenised with sacremoses, signature printed) for the other pairs.
+Data prepared with sentencepiece (``spm*.model`` in the data-bin, e.g. En<->Zh) is decoded
+with ``--remove-bpe sentencepiece``, which gives detokenised text, scored with sacreBLEU
+(its ``zh`` tokenisation for Chinese references).
+
+    python -m rdrop_fairseq.recipes.evaluate_translation iwslt --data work/iwslt14.de-en/bin \\
+        --src de --tgt en --checkpoint checkpoints/iwslt14-rdrop/checkpoint_best.pt
+    # WMT14 as the authors: the average of the last 10 epoch checkpoints first
+    python -m rdrop_fairseq.recipes.average_checkpoints --inputs SAVE_DIR \\
+        --num-epoch-checkpoints 10 --output SAVE_DIR/checkpoint.avg10.pt
+
+scripts/iwslt14.sh and scripts/wmt14.sh run these in their evaluate stage.
+
+Writes ``OUT`` (default: next to the checkpoint, ``generate-SUBSET.txt``) and prints the
+paper's score first, then the other two of the same output beside it (tokenized BLEU with
+and without compound splitting, sacreBLEU on the Moses-detokenised text; the authors'
+scripts pipe every language pair through compound splitting and print sacreBLEU too).
+Environment variables: DATA, CHECKPOINT, SRC, TGT.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sacremoses import MosesDetokenizer
+
+import sacrebleu
+
+from .common import ArgumentParser, PLUGIN, fairseq_cli
+from .score_bleu import read_generate_output, tokenized_bleu
+
+DECODING = {"iwslt": {"beam": 5, "lenpen": 1.0}, "wmt14": {"beam": 4, "lenpen": 0.6}}
+
+
+def metric_for(recipe, src, tgt, data=None):
+    """The paper's BLEU for a recipe and language pair."""
+    if data is not None and uses_sentencepiece(data):
+        return "sacrebleu"  # no Moses tokens to score
+    if recipe == "wmt14":
+        return "tokenized+compound" if tgt == "de" else "tokenized"
+    return "tokenized" if {src, tgt} == {"de", "en"} else "sacrebleu"
+
+
+def uses_sentencepiece(data):
+    """Whether prepare_translation.py built ``data`` with sentencepiece."""
+    return any(Path(data).glob("spm*.model"))
+
+
+def score(metric, hyps, refs, tgt, moses_tokens=True):
+    if metric.startswith("tokenized"):
+        if not moses_tokens:
+            sys.exit("error: tokenized BLEU needs Moses-tokenised data; this data-bin was "
+                     "built with sentencepiece: use --metric sacrebleu")
+        result = tokenized_bleu(hyps, refs, compound=metric.endswith("compound"))
+        return f"tokenized BLEU ({metric}) = {result.score:.2f}", result.score
+    if moses_tokens:
+        detok = MosesDetokenizer(lang=tgt)
+        hyps = [detok.detokenize(h.split()) for h in hyps]
+        refs = [detok.detokenize(r.split()) for r in refs]
+    bleu = sacrebleu.metrics.BLEU(trg_lang=tgt)
+    result = bleu.corpus_score(hyps, [refs])
+    return f"sacreBLEU = {result.score:.2f}  {bleu.get_signature()}", result.score
+
+
+def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test", beam=5,
+                       lenpen=1.0, metric="tokenized", batch_size=128, cpu=False, quiet=False):
+    """fairseq-generate into ``out``, then ``(score line, BLEU, sentence count)``."""
+    cmd = [fairseq_cli("fairseq-generate"), str(data),
+           "--user-dir", str(PLUGIN), "--path", str(checkpoint),
+           "--source-lang", src, "--target-lang", tgt, "--gen-subset", subset,
+           "--beam", str(beam), "--lenpen", str(lenpen),
+           "--remove-bpe=" + ("sentencepiece" if uses_sentencepiece(data) else "@@ "),
+           "--batch-size", str(batch_size), "--required-batch-size-multiple", "1"]
+    if cpu:
+        cmd.append("--cpu")
+    if not quiet:
+        print(f"[evaluate] beam {beam}, lenpen {lenpen}, {metric}: {' '.join(cmd)}", flush=True)
+    with open(out, "w", encoding="utf-8") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL if quiet else None, check=True)
+    hyps, refs = read_generate_output(out)
+    line, bleu = score(metric, hyps, refs, tgt, moses_tokens=not uses_sentencepiece(data))
+    return line, bleu, len(hyps)
+
+
+def main(argv=None):
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("recipe", choices=sorted(DECODING))
+    p.add_argument("--data", default=os.environ.get("DATA"), required="DATA" not in os.environ)
+    p.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT"),
+                   required="CHECKPOINT" not in os.environ)
+    p.add_argument("--src", default=os.environ.get("SRC", "de"))
+    p.add_argument("--tgt", default=os.environ.get("TGT", "en"))
+    p.add_argument("--subset", default="test")
+    p.add_argument("--beam", type=int)
+    p.add_argument("--lenpen", type=float)
+    p.add_argument("--metric", choices=["tokenized", "tokenized+compound", "sacrebleu"])
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--out", help="where to write fairseq-generate's output")
+    a = p.parse_args(argv)
+    checkpoint = Path(a.checkpoint)
+    if not checkpoint.is_file():
+        p.error(f"no checkpoint {checkpoint}")
+    beam = a.beam or DECODING[a.recipe]["beam"]
+    lenpen = a.lenpen if a.lenpen is not None else DECODING[a.recipe]["lenpen"]
+    metric = a.metric or metric_for(a.recipe, a.src, a.tgt, a.data)
+    out = Path(a.out) if a.out else checkpoint.with_name(f"generate-{a.subset}.txt")
+    line, _, count = generate_and_score(a.data, checkpoint, out, a.src, a.tgt, a.subset, beam,
+                                        lenpen, metric, a.batch_size, a.cpu)
+    print(f"{a.subset}: {count} sentences, {line}")
+    if not uses_sentencepiece(a.data):  # the other BLEUs of the same output, for comparison
+        hyps, refs = read_generate_output(out)
+        for other in ("tokenized", "tokenized+compound", "sacrebleu"):
+            if other != metric:
+                print(f"  beside it: {score(other, hyps, refs, a.tgt)[0]}")
+    print(f"(output: {out})")
+
+
+if __name__ == "__main__":
+    main()

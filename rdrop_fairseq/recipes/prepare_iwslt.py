@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Prepare an IWSLT TED corpus as fairseq's examples/translation/prepare-iwslt14.sh does.
+
+From the official archive of a pair (``de-en.tgz`` etc.: a local path, or a URL that is
+downloaded when online): training text from ``train.tags.PAIR.LANG`` without its markup
+lines, the test set from the TED dev/tst XML files (dev2010, dev2012, tst2010-2012 for
+IWSLT14 de-en), then ``prepare_translation.py`` with the recipe's settings: Moses
+tokenisation, lower-casing, cleaning (1-175 tokens, ratio 1.5), every 23rd training pair
+held out as validation, joint BPE (10k merges) and fairseq-preprocess.
+
+    python -m rdrop_fairseq.recipes.prepare_iwslt --archive de-en.tgz --src de --tgt en \\
+        --out work/iwslt14.de-en
+    python -m rdrop_fairseq.recipes.prepare_iwslt --archive https://.../de-en.tgz --src de \\
+        --tgt en --out ...
+
+IWSLT14 de-en: fairseq's mirror of the archive is the IWSLT14_DE_EN_URL below. For the other
+pairs, pass the archive of the same format (``train.tags.PAIR.*`` and ``IWSLT*.TED*.xml``).
+IWSLT17 En<->Zh (``en-zh.tgz``) is prepared as the paper's separate dictionaries: one
+sentencepiece BPE model per language on the raw text (which segments the Chinese), no
+lower-casing, training pairs of 1-175 pieces without a length-ratio filter (Chinese and
+English piece counts are not comparable), ``--vocab-size`` pieces per language.
+"""
+
+import re
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+from .common import ArgumentParser, made_or_removed
+
+IWSLT14_DE_EN_URL = "http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz"
+_MARKUP = ("<url>", "<talkid>", "<keywords>")
+_TAGS = re.compile(r"</?(title|description)>")
+_SEG = re.compile(r"<seg id=\"?\d+\"?>\s*(.*?)\s*</seg>")
+
+
+def fetch(archive, into):
+    """A local archive as is, or a URL downloaded into ``into``."""
+    if re.match(r"^[a-z]+://", archive):
+        target = Path(into) / archive.rsplit("/", 1)[-1]
+        if not target.exists():
+            print(f"[iwslt] downloading {archive}", flush=True)
+            try:
+                urllib.request.urlretrieve(archive, target)
+            except OSError as e:
+                sys.exit(f"error: cannot download {archive} ({e}); download it elsewhere and "
+                         "pass the local file with --archive")
+        return target
+    if not Path(archive).is_file():
+        sys.exit(f"error: no archive {archive}")
+    return Path(archive)
+
+
+def train_lines(path):
+    """``train.tags`` text: markup lines dropped, title/description tags removed."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [_TAGS.sub("", line).strip() for line in lines
+            if not any(tag in line for tag in _MARKUP)]
+
+
+def xml_segments(path):
+    text = Path(path).read_text(encoding="utf-8")
+    return [seg.replace("\u2019", "'") for seg in _SEG.findall(text)]
+
+
+def test_files(root, pair, lang):
+    """The TED dev/tst sets of a pair in fairseq's order: dev sets, then tst, by year."""
+    files = [f for f in Path(root).rglob(f"IWSLT*.TED*.{pair}.{lang}.xml")]
+
+    def order(f):
+        m = re.search(r"\.(dev|tst)(\d{4})\.", f.name)
+        return (m[1] != "dev", int(m[2])) if m else (2, 0)
+    return sorted(files, key=order)
+
+
+def extract(archive, src, tgt, raw):
+    pair = f"{src}-{tgt}" if Path(archive).name.startswith(f"{src}-{tgt}") else f"{tgt}-{src}"
+    work = raw.parent / "orig"
+    with tarfile.open(archive) as tar:
+        tar.extractall(work, filter="data")
+    raw.mkdir(parents=True, exist_ok=True)
+    for lang in (src, tgt):
+        train = list(work.rglob(f"train.tags.{pair}.{lang}"))
+        if not train:
+            sys.exit(f"error: {archive} holds no train.tags.{pair}.{lang}")
+        (raw / f"train.{lang}").write_text("\n".join(train_lines(train[0])) + "\n",
+                                           encoding="utf-8")
+        tests = test_files(work, pair, lang)
+        if not tests:
+            sys.exit(f"error: {archive} holds no IWSLT*.TED*.{pair}.{lang}.xml test sets")
+        segments = [seg for f in tests for seg in xml_segments(f)]
+        (raw / f"test.{lang}").write_text("\n".join(segments) + "\n", encoding="utf-8")
+        print(f"[iwslt] {lang}: test from {', '.join(f.name for f in tests)}", flush=True)
+
+
+def main():
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--archive", required=True, help=f"path or URL (de-en: {IWSLT14_DE_EN_URL})")
+    p.add_argument("--src", required=True)
+    p.add_argument("--tgt", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--bpe-merges", type=int, default=10000)
+    p.add_argument("--vocab-size", type=int, default=10000, help="per language, for zh pairs")
+    a = p.parse_args()
+    with made_or_removed(a.out):  # a failure leaves no half-made OUT
+        a.out.mkdir(parents=True, exist_ok=True)
+        archive = fetch(a.archive, a.out)
+        extract(archive, a.src, a.tgt, a.out / "raw")
+        if "zh" in (a.src, a.tgt):
+            subword = ["--subword", "sentencepiece", "--separate-dictionaries",
+                       "--vocab-size", str(a.vocab_size), "--max-ratio", "0"]
+        else:
+            subword = ["--lowercase", "--bpe-merges", str(a.bpe_merges), "--max-ratio", "1.5"]
+        subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",
+                        "--raw", str(a.out / "raw"), "--src", a.src, "--tgt", a.tgt,
+                        "--out", str(a.out), "--max-len", "175", "--valid-from-train", "23",
+                        *subword], check=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Prepare WMT14 En-De or En-Fr as fairseq's examples/translation/prepare-wmt14en2{de,fr}.sh.
+
+From the official archives (a directory holding them, or downloaded into it when online):
+
+* training text: the concatenated corpora below, Moses punctuation normalisation,
+  non-printing characters removed, Moses tokenisation with aggressive hyphen splitting
+  (``-a``: ``a-b`` -> ``a @-@ b``);
+* validation: every 100th (En-De) / 1333rd (En-Fr) training line, before cleaning;
+* test: newstest2014 (``test-full``) from the SGML, with ``’`` -> ``'``, tokenised ``-a``;
+* a joint subword-nmt BPE learnt on the training text, then training and validation pairs
+  cleaned after BPE (1-250 subwords, ratio 1.5), test kept whole; fairseq-preprocess with
+  a joined dictionary.
+
+    python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-de --orig work/wmt14-orig \\
+        --out work/wmt14.en-de
+    python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-de \\
+        --icml17 ...   # news-commentary v9 instead of v12
+    python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-fr --orig ... \\
+        --out work/wmt14.en-fr --workers 16
+
+``--bpe-merges`` defaults to the paper's ~32k joint vocabulary (fairseq's scripts use 40000).
+Nothing is downloaded that is already in ``--orig``.
+"""
+
+import gzip
+import re
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+from .common import ArgumentParser, made_or_removed
+
+STATMT = "http://statmt.org"
+CORPORA = {
+    "en-de": {
+        "archives": [f"{STATMT}/wmt13/training-parallel-europarl-v7.tgz",
+                     f"{STATMT}/wmt13/training-parallel-commoncrawl.tgz",
+                     "http://data.statmt.org/wmt17/translation-task/training-parallel-nc-v12.tgz",
+                     f"{STATMT}/wmt14/test-full.tgz"],
+        "train": ["training/europarl-v7.de-en", "commoncrawl.de-en",
+                  "training/news-commentary-v12.de-en"],
+        "test": "test-full/newstest2014-deen-{role}.{lang}.sgm",
+        "valid_every": 100,
+    },
+    "en-fr": {
+        "archives": [f"{STATMT}/wmt13/training-parallel-europarl-v7.tgz",
+                     f"{STATMT}/wmt13/training-parallel-commoncrawl.tgz",
+                     f"{STATMT}/wmt13/training-parallel-un.tgz",
+                     f"{STATMT}/wmt14/training-parallel-nc-v9.tgz",
+                     f"{STATMT}/wmt10/training-giga-fren.tar",
+                     f"{STATMT}/wmt14/test-full.tgz"],
+        "train": ["training/europarl-v7.fr-en", "commoncrawl.fr-en", "un/undoc.2000.fr-en",
+                  "training/news-commentary-v9.fr-en", "giga-fren.release2.fixed"],
+        "test": "test-full/newstest2014-fren-{role}.{lang}.sgm",
+        "valid_every": 1333,
+    },
+}
+ICML17 = {  # fairseq's --icml17: the ConvS2S paper's WMT14 En-De (news-commentary v9)
+    "archive": f"{STATMT}/wmt14/training-parallel-nc-v9.tgz",
+    "corpus": "training/news-commentary-v9.de-en",
+}
+_SEG = re.compile(r"<seg id=\"?\d+\"?>\s*(.*?)\s*</seg>")
+
+
+def corpora(pair, icml17=False):
+    spec = {k: list(v) if isinstance(v, list) else v for k, v in CORPORA[pair].items()}
+    if icml17:
+        if pair != "en-de":
+            sys.exit("error: --icml17 applies to en-de only")
+        spec["archives"][2], spec["train"][2] = ICML17["archive"], ICML17["corpus"]
+    return spec
+
+
+def fetch_and_extract(urls, orig):
+    """Each archive from ``orig`` (downloaded there first if missing), extracted once."""
+    orig.mkdir(parents=True, exist_ok=True)
+    for url in urls:
+        archive = orig / url.rsplit("/", 1)[-1]
+        if not archive.exists():
+            print(f"[wmt14] downloading {url}", flush=True)
+            try:
+                urllib.request.urlretrieve(url, archive)
+            except OSError as e:
+                archive.unlink(missing_ok=True)
+                sys.exit(f"error: {archive.name} is not in {orig} and cannot be downloaded "
+                         f"({e}); download {url} elsewhere and put it there")
+        done = orig / f".{archive.name}.extracted"
+        if not done.exists():
+            print(f"[wmt14] extracting {archive.name}", flush=True)
+            with tarfile.open(archive) as tar:
+                tar.extractall(orig, filter="data")
+            done.touch()
+
+
+def read_corpus(orig, name, lang):
+    """Lines of ``orig/NAME.LANG`` (or ``.LANG.gz``, as giga-fren ships)."""
+    path = orig / f"{name}.{lang}"
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    if path.with_name(path.name + ".gz").is_file():
+        with gzip.open(path.with_name(path.name + ".gz"), "rt", encoding="utf-8",
+                       errors="replace") as f:
+            return f.read().splitlines()
+    sys.exit(f"error: {path} not found: is {orig} the directory the archives were extracted in?")
+
+
+def sgm_segments(path):
+    if not path.is_file():
+        sys.exit(f"error: {path} not found (from test-full.tgz)")
+    text = path.read_text(encoding="utf-8")
+    return [seg.replace("\u2019", "'") for seg in _SEG.findall(text)]
+
+
+def assemble(pair, orig, raw, icml17=False):
+    """RAW/{train,test}.{en,xx}: the training corpora concatenated, newstest2014."""
+    spec = corpora(pair, icml17)
+    raw.mkdir(parents=True, exist_ok=True)
+    src, tgt = pair.split("-")
+    counts = {}
+    for lang in (src, tgt):
+        lines = []
+        for name in spec["train"]:
+            corpus = read_corpus(orig, name, lang)
+            counts.setdefault(name, set()).add(len(corpus))
+            lines += corpus
+        (raw / f"train.{lang}").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+        role = "src" if lang == src else "ref"
+        test = sgm_segments(orig / spec["test"].format(role=role, lang=lang))
+        (raw / f"test.{lang}").write_text("".join(x + "\n" for x in test), encoding="utf-8")
+    uneven = [name for name, n in counts.items() if len(n) > 1]
+    if uneven:
+        sys.exit(f"error: {', '.join(uneven)}: the {src} and {tgt} sides differ in length")
+    print(f"[wmt14] {pair}: " + ", ".join(f"{name} {n.pop()}" for name, n in counts.items()),
+          flush=True)
+    return spec
+
+
+def main(argv=None):
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pair", choices=sorted(CORPORA), default="en-de")
+    p.add_argument("--orig", type=Path, required=True,
+                   help="directory with the official archives (downloaded into it if missing)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--icml17", action="store_true", help="En-De with news-commentary v9")
+    p.add_argument("--bpe-merges", type=int, default=32000)
+    p.add_argument("--workers", type=int, default=8)
+    a = p.parse_args(argv)
+    # a failure leaves no half-made OUT (and no empty ORIG; downloaded archives stay)
+    with made_or_removed(a.out, a.orig):
+        spec = corpora(a.pair, a.icml17)
+        fetch_and_extract(spec["archives"], a.orig)
+        src, tgt = a.pair.split("-")
+        assemble(a.pair, a.orig, a.out / "raw", a.icml17)
+        subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",
+                        "--raw", str(a.out / "raw"), "--src", src, "--tgt", tgt,
+                        "--out", str(a.out),
+                        "--normalize-punct", "--aggressive-dash", "--clean-after-bpe",
+                        "--max-len", "250", "--max-ratio", "1.5",
+                        "--valid-from-train", str(spec["valid_every"]),
+                        "--bpe-merges", str(a.bpe_merges), "--workers", str(a.workers)], check=True)
+
+
+if __name__ == "__main__":
+    main()

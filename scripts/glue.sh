@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# GLUE with R-Drop, the paper's table 3: RoBERTa large fine-tuned on one GPU per task with
+# the task's max updates, batch (sentences) and alpha (the paper's appendix table 1).
+#
+#   TASK=RTE bash scripts/glue.sh [prepare|train|evaluate|all] [extra arguments]
+#   TASK=MNLI MODE=baseline SEED=2 bash scripts/glue.sh train
+#   TASK=CoLA DRY_RUN=1 bash scripts/glue.sh train          # print the commands only
+#
+# Inputs (downloads are yours: docs/glue.md): GLUE_DIR (the GLUE tasks' TSVs), BPE_DIR
+# (GPT-2's encoder.json, vocab.bpe, dict.txt), ROBERTA_DIR (roberta.large: model.pt;
+# FROM_SCRATCH=1: none, a randomly initialised model). Environment: TASK (CoLA, MRPC, RTE,
+# SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
+# doubled-batch), ALPHA, SEED, MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ batches of
+# batch/UPDATE_FREQ sentences), GPUS (0 or 1), CPU, BF16, FP16, FAIRSEQ_BIN, PYTHON, DRY_RUN.
+# Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
+# of the Python module). A SAVE_DIR holding checkpoint_last.pt is resumed, not restarted.
+source "$(dirname "$0")/lib/common.sh"
+
+# the paper's per-task settings: max updates, batch (sentences), alpha; then the number of
+# classes (STS-B: 1, regression) and the metric that picks checkpoint_best.pt (the paper's)
+for name in CoLA MRPC RTE SST-2 MNLI QNLI QQP STS-B; do  # TASK in any case
+  [ "${TASK:-}" != "${name,,}" ] && [ "${TASK:-}" != "${name^^}" ] || TASK=$name
+done
+case ${TASK:-} in
+  CoLA)  SETTINGS=(5336 16 0.5 2 mcc report_mcc) ;;
+  MRPC)  SETTINGS=(2296 16 1.0 2 accuracy report_acc_and_f1) ;;
+  RTE)   SETTINGS=(3120 8 1.0 2 accuracy) ;;
+  SST-2) SETTINGS=(20935 32 1.0 2 accuracy) ;;
+  MNLI)  SETTINGS=(123873 32 0.5 3 accuracy) ;;
+  QNLI)  SETTINGS=(33112 32 1.0 2 accuracy) ;;
+  QQP)   SETTINGS=(113272 32 0.5 2 accuracy report_acc_and_f1) ;;
+  STS-B) SETTINGS=(3598 16 1.0 1 pearson report_pearson_and_spearman) ;;
+  *) die "TASK must be one of CoLA, MRPC, RTE, SST-2, MNLI, QNLI, QQP, STS-B, not '${TASK:-}'" ;;
+esac
+PAPER_MAX_UPDATE=${SETTINGS[0]} BATCH=${SETTINGS[1]} CLASSES=${SETTINGS[3]}
+GLUE_DIR=${GLUE_DIR:-work/glue_data}
+BPE_DIR=${BPE_DIR:-work/gpt2_bpe}
+ROBERTA_DIR=${ROBERTA_DIR:-work/roberta.large}
+DATA_DIR=${DATA_DIR:-work/glue-bin}
+SAVE_DIR=${SAVE_DIR:-checkpoints/glue.$TASK.$MODE.seed$SEED}
+parse_stage "$@"
+BIN=$DATA_DIR/$TASK-bin
+detect_devices
+set_mode "${SETTINGS[2]}"
+
+prepare() {
+  need "$GLUE_DIR/$TASK/train.tsv" "GLUE_DIR must hold the GLUE tasks ($TASK/train.tsv, dev.tsv)"
+  need "$BPE_DIR/encoder.json" "BPE_DIR must hold GPT-2's encoder.json, vocab.bpe and dict.txt"
+  # GPT-2 BPE, fairseq-preprocess --only-source (fairseq's preprocess_GLUE_tasks.sh)
+  run "$PYTHON" -m rdrop_fairseq.recipes.prepare_glue "$TASK" --glue-dir "$GLUE_DIR" \
+      --out "$DATA_DIR" --bpe-dir "$BPE_DIR" "${EXTRA[@]}"
+}
+
+train() {
+  need "$BIN/input0/dict.txt" "run: TASK=$TASK bash scripts/glue.sh prepare"
+  # one GPU, as the paper and fairseq's GLUE configs: sentence_prediction's MCC / F1 /
+  # Pearson come from per-GPU prediction lists that do not add up over GPUs
+  (( DEVICES == 1 )) ||
+    die "glue.sh fine-tunes on one GPU, as the paper: set GPUS=1" \
+        "(CUDA_VISIBLE_DEVICES picks it; one task per GPU)"
+  UPDATE_FREQ=${UPDATE_FREQ:-1}
+  (( BATCH % UPDATE_FREQ == 0 )) ||
+    die "UPDATE_FREQ=$UPDATE_FREQ does not divide $TASK's batch of $BATCH sentences"
+  local batch_size=$(( BATCH / UPDATE_FREQ * BATCH_FACTOR )) regression=false
+  local max_update=${MAX_UPDATE:-$PAPER_MAX_UPDATE}
+  local warmup=$(( max_update * 6 / 100 ))  # 6% of the updates, as fairseq's GLUE configs
+  (( CLASSES > 1 )) || regression=true
+  say "batch: 1 device x update-freq $UPDATE_FREQ x $batch_size sentences" \
+      "= $(( batch_size * UPDATE_FREQ )) sentences per update (the paper's: $BATCH)"
+  local restore task_args=()
+  if [ -f "$SAVE_DIR/checkpoint_last.pt" ] || [ "${FROM_SCRATCH:-0}" = 1 ]; then
+    # resume (fairseq's default: checkpoint_last.pt, if any), nothing reset
+    restore=(checkpoint.restore_file=checkpoint_last.pt checkpoint.reset_optimizer=false
+             checkpoint.reset_dataloader=false checkpoint.reset_meters=false)
+  else
+    need "$ROBERTA_DIR/model.pt" "ROBERTA_DIR must hold roberta.large/model.pt (or FROM_SCRATCH=1)"
+    restore=(checkpoint.restore_file="$(realpath -m "$ROBERTA_DIR/model.pt")")
+  fi
+  [ -z "${SETTINGS[5]:-}" ] || task_args+=(criterion.${SETTINGS[5]}=true)
+  # MNLI: valid = dev_matched, valid1 = dev_mismatched (quoted: hydra reads a,b as a sweep)
+  [ "$TASK" != MNLI ] || task_args+=("dataset.valid_subset='valid,valid1'")
+  run "$(fairseq_cli fairseq-hydra-train)" \
+      --config-dir "$CONFIGS" --config-name roberta_glue_rdrop \
+      common.user_dir="$USER_DIR" task.data="$BIN" \
+      checkpoint.save_dir="$SAVE_DIR" hydra.run.dir="$SAVE_DIR/hydra" common.seed="$SEED" \
+      "${restore[@]}" task.num_classes="$CLASSES" criterion.regression_target=$regression \
+      dataset.batch_size=$batch_size "optimization.update_freq=[$UPDATE_FREQ]" \
+      optimization.max_update="$max_update" lr_scheduler.warmup_updates=$warmup \
+      checkpoint.best_checkpoint_metric="${SETTINGS[4]}" \
+      "${task_args[@]}" "${MODE_ARGS[@]}" "${DEVICE_ARGS[@]}" "${EXTRA[@]}"
+}
+
+evaluate() {
+  need "$SAVE_DIR/checkpoint_best.pt" "train first: TASK=$TASK bash scripts/glue.sh train"
+  # the dev set(s) with the task's metrics (MNLI: matched and mismatched)
+  run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_glue "$TASK" --data "$BIN" \
+      --checkpoint "$SAVE_DIR/checkpoint_best.pt" --glue-dir "$GLUE_DIR" --bpe-dir "$BPE_DIR" \
+      --json "$SAVE_DIR/dev.json" "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
+}
+
+run_stages

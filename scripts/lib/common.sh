@@ -1,0 +1,180 @@
+# What the recipe scripts (scripts/*.sh) share; sourced by them, not run on its own. It
+# holds no fairseq command line: those stay in each recipe script, readable. Here: the
+# stage argument, the environment (GPUs, precision, MODE, seed), the split of the paper's
+# batch over the GPUs, DRY_RUN, and the checks of a stage's inputs.
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+CONFIGS=$REPO/configs
+USER_DIR=$REPO/rdrop_fairseq  # the plugin, for --user-dir
+PYTHON=${PYTHON:-python3}
+RECIPE=$(basename "$0" .sh)
+MODE=${MODE:-rdrop}
+SEED=${SEED:-1}
+NODES=${NODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+# -h / --help: the recipe script's header comment
+case ${1:-} in -h|--help) sed -n '2,/^source/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;; esac
+
+die() { echo "error: $*" >&2; exit 1; }
+say() { echo "[$RECIPE] $*"; }
+
+# Print a command (as it could be pasted into a shell); run it unless DRY_RUN=1.
+run() {
+  local line
+  printf -v line ' %q' "$@"
+  echo "+${line}"
+  [ "${DRY_RUN:-0}" = 1 ] || "$@"
+}
+
+# The path of fairseq's CLI $1: in $FAIRSEQ_BIN if set, else found on PATH.
+fairseq_cli() {
+  if [ -n "${FAIRSEQ_BIN:-}" ]; then
+    echo "$FAIRSEQ_BIN/$1"
+  elif command -v "$1" >/dev/null; then
+    command -v "$1"
+  elif [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "$1"
+  else
+    die "$1 not found on PATH: activate the environment fairseq is installed in, or set FAIRSEQ_BIN"
+  fi
+}
+
+# A stage's input $1 must exist; $2 says how to make it. A dry run only notes it.
+need() {
+  [ -e "$1" ] && return 0
+  [ "${DRY_RUN:-0}" = 1 ] && { echo "[$RECIPE] (dry run: $1 missing)" >&2; return 0; }
+  die "$1 not found: $2"
+}
+
+# Stages: the first argument (prepare, train, evaluate or all; default all). The arguments
+# after it (EXTRA) go to that stage's command: hydra overrides for fairseq-hydra-train in
+# train (and all), options of the Python module in prepare and evaluate. Makes DATA_DIR
+# and SAVE_DIR absolute.
+parse_stage() {
+  STAGE=${1:-all}
+  case $STAGE in
+    prepare|train|evaluate|all) ;;
+    *) die "unknown stage '$STAGE': give prepare, train, evaluate or all (default)" ;;
+  esac
+  shift $(( $# > 0 ? 1 : 0 ))
+  EXTRA=("$@")
+  # absolute: fairseq-hydra-train runs in its hydra.run.dir
+  DATA_DIR=$(realpath -m "$DATA_DIR")
+  SAVE_DIR=$(realpath -m "$SAVE_DIR")
+}
+
+# Run the stages asked for, with the recipe's prepare / train / evaluate functions; all
+# skips prepare when the data-bin (BIN) is there already.
+run_stages() {
+  case $STAGE in
+    all) local extra=("${EXTRA[@]}")
+         EXTRA=()
+         if [ -e "$BIN" ]; then
+           say "prepare: $BIN is there already (the prepare stage alone makes it again)"
+         else
+           prepare
+         fi
+         EXTRA=("${extra[@]}"); train; EXTRA=(); evaluate ;;
+    *) "$STAGE" ;;
+  esac
+}
+
+# GPUS: the GPUs per node (default: CUDA_VISIBLE_DEVICES's, else nvidia-smi's count; 0 or
+# CPU=1: the CPU). Sets DEVICE_ARGS (hydra overrides: device, precision, distributed
+# training), EVAL_DEVICE (--cpu or nothing) and DEVICES (the data-parallel workers over all
+# nodes).
+# fp16 on GPUs as the authors trained (BF16=1: bf16; FP16=0: fp32).
+# Several nodes: fairseq's own --distributed-* (fairseq spawns one process per GPU of the
+# node), the same command on every node with its NODE_RANK.
+detect_devices() {
+  if [ -z "${GPUS:-}" ]; then
+    if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+      GPUS=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c '[^[:space:]]' || true)
+    elif command -v nvidia-smi >/dev/null; then
+      GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    else
+      GPUS=0
+    fi
+  fi
+  [[ $GPUS =~ ^[0-9]+$ ]] || die "GPUS must be a number of GPUs (0: the CPU), not '$GPUS'"
+  [ "${CPU:-0}" = 1 ] && GPUS=0
+  if [ "$GPUS" = 0 ]; then
+    [ "$NODES" = 1 ] || die "NODES=$NODES needs GPUs (GPUS=0 or CPU=1 trains on this CPU only)"
+    DEVICES=1
+    DEVICE_ARGS=(common.cpu=true distributed_training.distributed_world_size=1)
+    EVAL_DEVICE=(--cpu)  # for the evaluation modules
+    return
+  fi
+  DEVICES=$(( GPUS * NODES ))
+  EVAL_DEVICE=()
+  DEVICE_ARGS=(distributed_training.distributed_world_size=$DEVICES)
+  if [ "${BF16:-0}" = 1 ]; then
+    DEVICE_ARGS+=(common.bf16=true)
+  elif [ "${FP16:-1}" = 1 ]; then
+    DEVICE_ARGS+=(common.fp16=true)
+  fi
+  if [ "$NODES" -gt 1 ]; then
+    [ -n "${MASTER_ADDR:-}" ] || die "NODES=$NODES needs MASTER_ADDR (the address of node 0)"
+    (( NODE_RANK >= 0 && NODE_RANK < NODES )) || die "NODE_RANK must be 0 to $(( NODES - 1 ))"
+    DEVICE_ARGS+=("distributed_training.distributed_init_method=tcp://$MASTER_ADDR:$MASTER_PORT"
+                  distributed_training.distributed_rank=$(( NODE_RANK * GPUS )))
+  fi
+}
+
+# MODE: rdrop (the paper's alpha, or ALPHA), baseline (alpha 0: exactly fairseq's parent
+# criterion), no-kl (alpha 0, two passes: appendix C.2), doubled-batch (the baseline with
+# twice the batch: R-Drop's compute without the KL, appendix C.1). $1: the paper's alpha.
+# Sets MODE_ARGS (hydra overrides) and BATCH_FACTOR.
+set_mode() {
+  BATCH_FACTOR=1
+  if [ "$MODE" != rdrop ] && [ -n "${ALPHA:-}" ] && [ "${ALPHA}" != 0 ]; then
+    die "ALPHA=$ALPHA contradicts MODE=$MODE, which has no KL term"
+  fi
+  case $MODE in
+    rdrop) MODE_ARGS=(criterion.rdrop_alpha=${ALPHA:-$1}) ;;
+    baseline) MODE_ARGS=(criterion.rdrop_alpha=0) ;;
+    no-kl) MODE_ARGS=(criterion.rdrop_alpha=0 ++criterion.rdrop_two_passes=true) ;;
+    doubled-batch) MODE_ARGS=(criterion.rdrop_alpha=0); BATCH_FACTOR=2 ;;
+    *) die "MODE must be rdrop, baseline, no-kl or doubled-batch, not '$MODE'" ;;
+  esac
+}
+
+# split_batch TOTAL PAPER_MAX_TOKENS [MIN_TOKENS]: MAX_TOKENS and UPDATE_FREQ with
+# DEVICES x UPDATE_FREQ x MAX_TOKENS = TOTAL, the paper's tokens per update: the paper's
+# tokens per GPU batch and more update-freq on fewer GPUs; fewer tokens per batch where
+# more GPUs than the paper's hold the whole batch (not below MIN_TOKENS). UPDATE_FREQ /
+# MAX_TOKENS from the environment win. doubled-batch then doubles MAX_TOKENS.
+split_batch() {
+  local total=$1 paper=$2 min=${3:-1}
+  local fix="set UPDATE_FREQ and/or MAX_TOKENS (GPUS x NODES x UPDATE_FREQ x MAX_TOKENS = $total)"
+  if [ -n "${MAX_TOKENS:-}" ] && [ -z "${UPDATE_FREQ:-}" ]; then
+    (( total % (DEVICES * MAX_TOKENS) == 0 )) ||
+      die "$DEVICES GPUs x MAX_TOKENS=$MAX_TOKENS do not divide" \
+          "the paper's $total tokens per update: $fix"
+    UPDATE_FREQ=$(( total / (DEVICES * MAX_TOKENS) ))
+  elif [ -z "${MAX_TOKENS:-}" ] && [ -n "${UPDATE_FREQ:-}" ]; then
+    (( total % (DEVICES * UPDATE_FREQ) == 0 )) ||
+      die "$DEVICES GPUs x UPDATE_FREQ=$UPDATE_FREQ do not divide" \
+          "the paper's $total tokens per update: $fix"
+    MAX_TOKENS=$(( total / (DEVICES * UPDATE_FREQ) ))
+  elif [ -z "${MAX_TOKENS:-}" ]; then
+    if (( total % (DEVICES * paper) == 0 )); then
+      MAX_TOKENS=$paper UPDATE_FREQ=$(( total / (DEVICES * paper) ))
+    elif (( DEVICES * paper > total && total % DEVICES == 0 && total / DEVICES >= min )); then
+      MAX_TOKENS=$(( total / DEVICES )) UPDATE_FREQ=1
+    else
+      die "$DEVICES GPUs do not divide the paper's $total tokens per update" \
+          "into batches of $paper: $fix"
+    fi
+  fi
+  local per_update=$(( DEVICES * UPDATE_FREQ * MAX_TOKENS * BATCH_FACTOR )) note=""
+  MAX_TOKENS=$(( MAX_TOKENS * BATCH_FACTOR ))
+  (( BATCH_FACTOR == 1 )) || note=", doubled by MODE=doubled-batch"
+  case $MODE in rdrop|no-kl) note+="; R-Drop runs each batch twice" ;; esac
+  say "batch: $DEVICES device(s) x update-freq $UPDATE_FREQ x max-tokens $MAX_TOKENS" \
+      "= $per_update tokens per update (the paper's: $total$note)"
+}
+

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# WMT14 translation with R-Drop, the paper's table 2: En->De and En->Fr with
+# transformer_vaswani_wmt_en_de_big, alpha 5, 8 GPUs x 4096 tokens x update-freq 16.
+#
+#   bash scripts/wmt14.sh [prepare|train|evaluate|all] [extra arguments]
+#   PAIR=en-fr bash scripts/wmt14.sh prepare
+#   GPUS=4 DRY_RUN=1 bash scripts/wmt14.sh train     # fp16, update-freq 32: print only
+#
+# Environment: PAIR (en-de or en-fr; default en-de), ORIG (where the official archives are,
+# or are downloaded to; default wmt14-orig beside DATA_DIR, shared by both pairs),
+# DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, SEED, GPUS, CPU,
+# BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, AVERAGE
+# (epoch checkpoints averaged before the test; 0: checkpoint_best.pt), FAIRSEQ_BIN, PYTHON,
+# DRY_RUN (docs/translation.md).
+# Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
+# of the Python module).
+source "$(dirname "$0")/lib/common.sh"
+
+PAIR=${PAIR:-en-de}
+case $PAIR in
+  en-de|en-fr) ;;
+  *) die "PAIR must be en-de or en-fr (the paper's WMT14 directions), not '$PAIR'" ;;
+esac
+SRC=${PAIR%-*} TGT=${PAIR#*-}
+DATA_DIR=${DATA_DIR:-work/wmt14.$PAIR}
+SAVE_DIR=${SAVE_DIR:-checkpoints/wmt14.$PAIR.$MODE.seed$SEED}
+AVERAGE=${AVERAGE:-10}  # the authors' script: the last 10 epoch checkpoints
+parse_stage "$@"
+BIN=$DATA_DIR/bin
+detect_devices
+set_mode 5
+
+prepare() {
+  # fairseq's prepare-wmt14en2{de,fr}.sh in Python: Moses normalisation and tokenisation
+  # (aggressive hyphen splitting), ~32k joint BPE, newstest2014 as the test set
+  run "$PYTHON" -m rdrop_fairseq.recipes.prepare_wmt14 --pair "$PAIR" \
+      --orig "${ORIG:-$(dirname "$DATA_DIR")/wmt14-orig}" --out "$DATA_DIR" "${EXTRA[@]}"
+}
+
+train() {
+  need "$BIN/dict.$SRC.txt" "run: PAIR=$PAIR bash scripts/wmt14.sh prepare"
+  split_batch $(( 8 * 16 * 4096 )) 4096  # the paper: 8 GPUs x 4096 tokens x update-freq 16
+  run "$(fairseq_cli fairseq-hydra-train)" \
+      --config-dir "$CONFIGS" --config-name transformer_wmt14_big_rdrop \
+      common.user_dir="$USER_DIR" task.data="$BIN" \
+      task.source_lang="$SRC" task.target_lang="$TGT" \
+      checkpoint.save_dir="$SAVE_DIR" hydra.run.dir="$SAVE_DIR/hydra" common.seed="$SEED" \
+      dataset.max_tokens="$MAX_TOKENS" "optimization.update_freq=[$UPDATE_FREQ]" \
+      "${MODE_ARGS[@]}" "${DEVICE_ARGS[@]}" "${EXTRA[@]}"
+}
+
+evaluate() {
+  local checkpoint=$SAVE_DIR/checkpoint_best.pt
+  if [ "$AVERAGE" -gt 0 ]; then
+    # as the authors: the average of the last epoch checkpoints
+    checkpoint=$SAVE_DIR/checkpoint.avg$AVERAGE.pt
+    need "$SAVE_DIR" "train first: PAIR=$PAIR bash scripts/wmt14.sh train"
+    run "$PYTHON" -m rdrop_fairseq.recipes.average_checkpoints --inputs "$SAVE_DIR" \
+        --num-epoch-checkpoints "$AVERAGE" --output "$checkpoint"
+  fi
+  need "$checkpoint" "train first: PAIR=$PAIR bash scripts/wmt14.sh train"
+  # fairseq-generate --beam 4 --lenpen 0.6 --remove-bpe; tokenized BLEU (En->De with
+  # compound splitting, as fairseq's compound_split_bleu.sh) and sacreBLEU beside it
+  run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_translation wmt14 --data "$BIN" \
+      --src "$SRC" --tgt "$TGT" --checkpoint "$checkpoint" "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
+}
+
+run_stages

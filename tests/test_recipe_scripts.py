@@ -1,0 +1,257 @@
+"""The recipe scripts (scripts/*.sh) in DRY_RUN mode, for 1, 2, 4 and 8 GPUs and the CPU:
+the paper's batch per update, the precision flags, what each MODE turns into, several nodes,
+and the one-line errors. No GPU needed: DRY_RUN prints the commands instead of running them.
+(The tiny real runs through the scripts are in the recipe tests, one per task family.)"""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.recipe_helpers import REPO, dry_run, overrides_of, script
+
+# script -> (environment, the paper's tokens per update, the paper's R-Drop alpha)
+TOKEN_RECIPES = {
+    "iwslt14": ({}, 1 * 1 * 4096, "5"),
+    "wmt14": ({}, 8 * 16 * 4096, "5"),
+    "wmt14 en-fr": ({"PAIR": "en-fr"}, 8 * 16 * 4096, "5"),
+    "cnndm_bart": ({}, 4 * 16 * 1024, "0.7"),
+    "wikitext103": ({}, 8 * 16 * 2000, "1"),
+    "wikitext103 adaptive": ({"ARCH": "adaptive"}, 8 * 3 * 3072, "1"),
+}
+
+
+def train_command(recipe, **env):
+    """The training command a recipe script prints, as ``{key: value}`` overrides, the argv
+    and the run."""
+    name, base_env, _, _ = (recipe.split()[0], *TOKEN_RECIPES.get(recipe, ({}, 0, "")))
+    commands, proc = dry_run(name, "train", **{**base_env, **env})
+    (cmd,) = [c for c in commands if "--config-dir" in c]
+    return overrides_of(cmd), cmd, proc
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+@pytest.mark.parametrize("recipe", list(TOKEN_RECIPES))
+def test_gpus_x_update_freq_x_max_tokens_is_the_papers_batch(recipe, gpus):
+    o, cmd, proc = train_command(recipe, GPUS=gpus)
+    update_freq = int(o["optimization.update_freq"].strip("[]"))
+    max_tokens = int(o["dataset.max_tokens"])
+    assert gpus * update_freq * max_tokens == TOKEN_RECIPES[recipe][1], cmd
+    assert o["distributed_training.distributed_world_size"] == str(gpus)
+    assert o["common.fp16"] == "true" and "common.bf16" not in o and "common.cpu" not in o
+    # the effective batch is printed before the command
+    batch = f"= {TOKEN_RECIPES[recipe][1]} tokens per update (the paper's: "
+    assert batch in proc.stdout and proc.stdout.index(batch) < proc.stdout.index("--config-dir")
+
+
+def test_done_when_wmt14_on_4_gpus_is_fp16_with_update_freq_32():
+    o, cmd, _ = train_command("wmt14", GPUS=4)
+    assert o["common.fp16"] == "true" and o["optimization.update_freq"] == "[32]"
+    assert cmd[0].endswith("fairseq-hydra-train") and o["dataset.max_tokens"] == "4096"
+
+
+@pytest.mark.parametrize("recipe", ["iwslt14", "wmt14", "cnndm_bart", "wikitext103"])
+def test_cpu_and_bf16(recipe):
+    o, _, _ = train_command(recipe, GPUS=0)
+    assert o["common.cpu"] == "true" and "common.fp16" not in o
+    assert o["distributed_training.distributed_world_size"] == "1"
+    o, _, _ = train_command(recipe, GPUS=8, CPU=1)
+    assert o["common.cpu"] == "true"
+    o, _, _ = train_command(recipe, GPUS=2, BF16=1)
+    assert o["common.bf16"] == "true" and "common.fp16" not in o
+    o, _, _ = train_command(recipe, GPUS=2, FP16=0)
+    assert "common.fp16" not in o and "common.bf16" not in o
+
+
+def test_gpus_default_to_the_visible_ones():
+    o, _, _ = train_command("wmt14", CUDA_VISIBLE_DEVICES="0,3")
+    assert o["distributed_training.distributed_world_size"] == "2"
+    assert o["optimization.update_freq"] == "[64]"
+    o, _, _ = train_command("wmt14", CUDA_VISIBLE_DEVICES="")
+    assert o["common.cpu"] == "true"
+
+
+@pytest.mark.parametrize("recipe, gpus", [("wmt14", 3), ("cnndm_bart", 3), ("iwslt14", 3),
+                                          ("wikitext103", 6), ("wikitext103 adaptive", 16)])
+def test_a_gpu_count_that_does_not_divide_the_batch_is_a_one_line_error(recipe, gpus):
+    name, env = recipe.split()[0], TOKEN_RECIPES[recipe][0]
+    _, proc = dry_run(name, "train", ok=False, GPUS=gpus, **env)
+    assert proc.returncode != 0 and "--config-dir" not in proc.stdout
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "UPDATE_FREQ" in error[0] and "MAX_TOKENS" in error[0], proc.stderr
+
+
+def test_update_freq_and_max_tokens_override_the_split():
+    o, _, proc = train_command("wmt14", GPUS=3, UPDATE_FREQ=43, MAX_TOKENS=4096)
+    assert (o["optimization.update_freq"], o["dataset.max_tokens"]) == ("[43]", "4096")
+    assert "= 528384 tokens per update (the paper's: 524288" in proc.stdout
+    o, _, _ = train_command("wmt14", GPUS=4, MAX_TOKENS=2048)
+    assert o["optimization.update_freq"] == "[64]"
+    o, _, _ = train_command("cnndm_bart", GPUS=4, UPDATE_FREQ=8)
+    assert o["dataset.max_tokens"] == "2048"
+    # IWSLT's one-GPU batch on more GPUs: smaller batches per GPU, update-freq 1
+    o, _, _ = train_command("iwslt14", GPUS=8)
+    assert (o["optimization.update_freq"], o["dataset.max_tokens"]) == ("[1]", "512")
+
+
+@pytest.mark.parametrize("recipe", list(TOKEN_RECIPES))
+def test_modes(recipe):
+    paper_alpha = TOKEN_RECIPES[recipe][2]
+    rdrop, _, _ = train_command(recipe, GPUS=8)
+    assert rdrop["criterion.rdrop_alpha"] == paper_alpha
+    assert train_command(recipe, GPUS=8, ALPHA=3)[0]["criterion.rdrop_alpha"] == "3"
+    baseline, _, _ = train_command(recipe, GPUS=8, MODE="baseline")
+    assert baseline["criterion.rdrop_alpha"] == "0"
+    assert not any("rdrop_two_passes" in k for k in baseline)
+    no_kl, _, _ = train_command(recipe, GPUS=8, MODE="no-kl")
+    assert no_kl["criterion.rdrop_alpha"] == "0"
+    assert no_kl["++criterion.rdrop_two_passes"] == "true"
+    doubled, _, proc = train_command(recipe, GPUS=8, MODE="doubled-batch")
+    assert doubled["criterion.rdrop_alpha"] == "0"
+    assert int(doubled["dataset.max_tokens"]) == 2 * int(baseline["dataset.max_tokens"])
+    assert doubled["optimization.update_freq"] == baseline["optimization.update_freq"]
+    assert "doubled by MODE=doubled-batch" in proc.stdout
+
+
+def test_mode_and_alpha_errors():
+    for env, message in [({"MODE": "rdorp"}, "MODE must be rdrop, baseline, no-kl or "
+                                             "doubled-batch, not 'rdorp'"),
+                         ({"MODE": "baseline", "ALPHA": "5"}, "ALPHA=5 contradicts MODE=baseline"),
+                         ({"GPUS": "two"}, "GPUS must be a number")]:
+        _, proc = dry_run("iwslt14", "train", ok=False, **env)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    _, proc = dry_run("iwslt14", "fit", ok=False)
+    assert "unknown stage 'fit'" in proc.stderr
+    assert script("glue", "--help").stdout.startswith("GLUE with R-Drop")  # the header
+
+
+def test_several_nodes_use_fairseqs_distributed_options():
+    o, _, _ = train_command("wmt14", GPUS=8, NODES=2, NODE_RANK=1, MASTER_ADDR="10.1.2.3",
+                            MASTER_PORT=12345)
+    assert o["distributed_training.distributed_world_size"] == "16"
+    assert o["distributed_training.distributed_rank"] == "8"  # node 1's first GPU
+    assert o["distributed_training.distributed_init_method"] == "tcp://10.1.2.3:12345"
+    assert o["optimization.update_freq"] == "[8]"  # 16 GPUs x 8 x 4096
+    o, _, _ = train_command("cnndm_bart", GPUS=4, NODES=2, NODE_RANK=0, MASTER_ADDR="host0")
+    assert (o["distributed_training.distributed_rank"], o["optimization.update_freq"]) == (
+        "0", "[8]")
+    for env, message in [({"NODES": 2}, "needs MASTER_ADDR"),
+                         ({"NODES": 2, "MASTER_ADDR": "h", "NODE_RANK": 2}, "NODE_RANK must be"),
+                         ({"NODES": 2, "GPUS": 0}, "needs GPUs")]:
+        _, proc = dry_run("wmt14", "train", ok=False, **{"GPUS": 8, **env})
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_extra_arguments_and_fairseq_bin_reach_the_command():
+    _, cmd, _ = train_command("wikitext103", GPUS=1, FAIRSEQ_BIN="/opt/fs/bin")
+    assert cmd[0] == "/opt/fs/bin/fairseq-hydra-train"
+    commands, _ = dry_run("iwslt14", "train", "optimization.max_update=7", GPUS=1)
+    assert commands[-1][-1] == "optimization.max_update=7"
+    # the summarization recipe trains through rdrop_fairseq.fairseq_fixes (its fairseq bugs)
+    _, cmd, _ = train_command("cnndm_bart", GPUS=1)
+    assert cmd[1:3] == ["-m", "rdrop_fairseq.fairseq_fixes"]
+
+
+def test_every_stage_of_every_recipe_prints_its_commands():
+    expected = {  # the modules each stage runs, in order (all = prepare, train, evaluate)
+        ("iwslt14", ()): ["rdrop_fairseq.recipes.prepare_iwslt", "fairseq-hydra-train",
+                          "rdrop_fairseq.recipes.evaluate_translation"],
+        ("wmt14", ()): ["rdrop_fairseq.recipes.prepare_wmt14", "fairseq-hydra-train",
+                        "rdrop_fairseq.recipes.average_checkpoints",
+                        "rdrop_fairseq.recipes.evaluate_translation"],
+        ("cnndm_bart", ()): ["rdrop_fairseq.recipes.prepare_cnndm", "rdrop_fairseq.fairseq_fixes",
+                             "rdrop_fairseq.recipes.evaluate_summarization"],
+        ("wikitext103", ()): ["rdrop_fairseq.recipes.prepare_wikitext", "fairseq-hydra-train",
+                              "rdrop_fairseq.recipes.evaluate_lm"],
+        ("glue", ("TASK", "RTE")): ["rdrop_fairseq.recipes.prepare_glue", "fairseq-hydra-train",
+                                    "rdrop_fairseq.recipes.evaluate_glue"],
+    }
+    for (name, env), programs in expected.items():
+        commands, proc = dry_run(name, GPUS=1, **dict([env] if env else []))
+        ran = [c[2] if c[1:2] == ["-m"] else c[0].rsplit("/", 1)[-1] for c in commands]
+        assert ran == programs, proc.stdout
+    # evaluation as the authors: WMT averages the last 10 epoch checkpoints, IWSLT does not
+    commands, _ = dry_run("wmt14", "evaluate", GPUS=1)
+    assert commands[0][commands[0].index("--num-epoch-checkpoints") + 1] == "10"
+    assert commands[1][commands[1].index("--checkpoint") + 1].endswith("checkpoint.avg10.pt")
+    commands, _ = dry_run("iwslt14", "evaluate", GPUS=0)
+    assert commands[0][-3:] == ["--checkpoint", commands[0][-2], "--cpu"]
+    assert commands[0][-2].endswith("checkpoint_best.pt")
+
+
+# ------------------------------------------------------------------ GLUE: sentences, one GPU
+
+GLUE_PAPER = {"CoLA": (16, "0.5"), "MRPC": (16, "1.0"), "RTE": (8, "1.0"), "SST-2": (32, "1.0"),
+              "MNLI": (32, "0.5"), "QNLI": (32, "1.0"), "QQP": (32, "0.5"), "STS-B": (16, "1.0")}
+
+
+@pytest.mark.parametrize("task", list(GLUE_PAPER))
+def test_glue_runs_the_papers_batch_on_one_gpu(task):
+    batch, alpha = GLUE_PAPER[task]
+    commands, proc = dry_run("glue", "train", TASK=task, GPUS=1)
+    o = overrides_of(commands[-1])
+    assert (o["dataset.batch_size"], o["optimization.update_freq"]) == (str(batch), "[1]")
+    assert o["criterion.rdrop_alpha"] == alpha and o["common.fp16"] == "true"
+    o = overrides_of(dry_run("glue", "train", TASK=task, GPUS=1, UPDATE_FREQ=2)[0][-1])
+    assert int(o["dataset.batch_size"]) * 2 == batch
+    o = overrides_of(dry_run("glue", "train", TASK=task, GPUS=1, MODE="doubled-batch")[0][-1])
+    assert (o["dataset.batch_size"], o["criterion.rdrop_alpha"]) == (str(2 * batch), "0")
+
+
+@pytest.mark.parametrize("gpus", [2, 4, 8])
+def test_glue_on_several_gpus_is_a_one_line_error(gpus):
+    _, proc = dry_run("glue", "train", ok=False, TASK="RTE", GPUS=gpus)
+    assert proc.returncode != 0 and "one GPU" in proc.stderr and "GPUS=1" in proc.stderr
+
+
+def test_glue_task_names():
+    assert overrides_of(dry_run("glue", "train", TASK="sts-b", GPUS=0)[0][-1])[
+        "task.num_classes"] == "1"
+    _, proc = dry_run("glue", "train", ok=False, TASK="WNLI")
+    assert "TASK must be one of CoLA" in proc.stderr
+
+
+# ------------------------------------------------------------------ inputs, not a dry run
+
+
+@pytest.mark.parametrize("name, stage, env, message", [
+    ("iwslt14", "train", {}, "bin/dict.de.txt not found: run: bash scripts/iwslt14.sh prepare"),
+    ("iwslt14", "evaluate", {}, "checkpoint_best.pt not found: train first"),
+    ("iwslt14", "prepare", {"SRC": "en", "TGT": "fr"}, "ARCHIVE is required for en-fr"),
+    ("wmt14", "train", {}, "bin/dict.en.txt not found"),
+    ("cnndm_bart", "prepare", {}, "train.source not found: RAW must hold the CNN/DM text"),
+    ("wikitext103", "evaluate", {}, "checkpoint_best.pt not found"),
+    ("glue", "train", {"TASK": "RTE"}, "RTE-bin/input0/dict.txt not found"),
+])
+def test_missing_inputs_are_one_line_errors_that_make_nothing(tmp_path, name, stage, env,
+                                                              message):
+    proc = script(name, stage, ok=False, GPUS=0, DATA_DIR=tmp_path / "data",
+                  SAVE_DIR=tmp_path / "save", RAW=tmp_path / "raw", **env)
+    assert proc.returncode != 0
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plugin_import_loads_neither_the_recipes_nor_the_fairseq_fixes():
+    code = ("import sys, rdrop_fairseq; from fairseq.ngram_repeat_block import NGramRepeatBlock;"
+            "print(sorted(m for m in sys.modules if m.startswith(('rdrop_fairseq.recipes',"
+            " 'rdrop_fairseq.fairseq_fixes'))), NGramRepeatBlock._no_repeat_ngram.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout
+    assert out.split() == ["[]", "fairseq.ngram_repeat_block"]
+
+
+@pytest.mark.parametrize("module, args", [
+    ("prepare_iwslt", ["--archive", "{tmp}/none.tgz", "--src", "de", "--tgt", "en"]),
+    ("prepare_wikitext", ["--source", "{tmp}/none"]),
+    ("prepare_wmt14", ["--orig", "{tmp}/orig"]),  # nothing to download offline
+])
+def test_a_failed_prepare_is_one_line_and_leaves_no_half_made_output(tmp_path, module, args):
+    from tests.recipe_helpers import OFFLINE, run
+
+    out = tmp_path / "out"
+    proc = run([sys.executable, "-m", f"rdrop_fairseq.recipes.{module}", "--out", out,
+                *[a.format(tmp=tmp_path) for a in args]], ok=False, env=OFFLINE)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if "error" in line]) == 1, proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no OUT, no empty download folder
