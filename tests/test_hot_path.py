@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from benchmarks.bench_rdrop import TINY_ARCH, build_step, count_step_ops
 
