@@ -183,8 +183,8 @@ env = os.environ.get  # an option's default: its environment variable
 
 def parse_args(argv):
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("task", help=f"{', '.join(METRICS)} (any case)")
     p.add_argument("--checkpoint", default=env("CHECKPOINT"),
                    help="the fine-tuned checkpoint (SAVE_DIR/checkpoint_best.pt)")

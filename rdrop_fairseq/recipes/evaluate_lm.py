@@ -83,8 +83,8 @@ def run(cmd):
 
 def parse_args(argv):
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--data", default=os.environ.get("DATA"), help="the data-bin")
     p.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT"))
     p.add_argument("--subset", default="test", help="test (default) or valid")

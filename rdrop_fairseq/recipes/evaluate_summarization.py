@@ -134,8 +134,8 @@ def summarize(bart, sources, out, batch_size=32, decoding=None):
 def parse_args(argv=None):
     env = os.environ.get
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--checkpoint", default=env("CHECKPOINT"),
                    help="the fine-tuned checkpoint (e.g. SAVE_DIR/checkpoint_best.pt)")
     p.add_argument("--data", default=env("DATA"),

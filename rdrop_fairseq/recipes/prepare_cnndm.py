@@ -143,8 +143,8 @@ def binarize(bpe_dir, dest, dict_txt, splits, workers):
 def parse_args(argv=None):
     env = os.environ.get
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--raw", default=env("RAW"),
                    help="directory with {train,val,test}.{source,target}")
     p.add_argument("--out", default=env("OUT"),

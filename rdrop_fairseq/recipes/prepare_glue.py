@@ -280,8 +280,8 @@ env = os.environ.get  # an option's default: its environment variable
 
 def parse_args(argv):
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("tasks", nargs="+", metavar="TASK",
                    help=f"{', '.join(TASKS)} (any case), or ALL")
     p.add_argument("--glue-dir", default=env("GLUE_DIR"),

@@ -132,7 +132,7 @@ def binarize(files, dest, workers):
 def main(argv=None):
     doc = __doc__.split("\n\n")
     p = ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", default=os.environ.get("SOURCE", WIKITEXT103_URL),
                    help="directory, zip or URL of the corpus (default: %(default)s)")
     p.add_argument("--out", default=os.environ.get("OUT"),
