@@ -369,7 +369,9 @@ def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef
 def _scale_for_fp16(g, inv_scale):
     """Scale each row pair of ``g`` (2, r, V) in place by a power of two so that its largest
     entry is near :data:`_FP16_TARGET_MAX`; write the inverse scales into ``inv_scale``."""
-    biggest = g.abs().amax(dim=(0, 2)).clamp_min_(torch.finfo(torch.float32).tiny)
+    # max |g| as max(max g, -min g): no chunk-sized temporary beyond the chunk budget
+    biggest = torch.maximum(g.amax(dim=(0, 2)), g.amin(dim=(0, 2)).neg_())
+    biggest.clamp_min_(torch.finfo(torch.float32).tiny)
     exponent = torch.floor(torch.log2(_FP16_TARGET_MAX / biggest)).clamp_(-24.0, 24.0)
     g.mul_(torch.exp2(exponent).view(1, -1, 1))
     torch.exp2(-exponent, out=inv_scale)
