@@ -2,7 +2,8 @@
 
 Use it with ``--user-dir $(python -m rdrop_fairseq)`` and one of the criteria
 ``label_smoothed_cross_entropy_rdrop``, ``cross_entropy_rdrop``, ``adaptive_loss_rdrop``,
-``sentence_prediction_rdrop``. The framework-free core is :mod:`rdrop_fairseq.core`; it
+``sentence_prediction_rdrop``; and AttendOut: the model ``roberta_attendout`` and the task
+``sentence_prediction_attendout`` (docs/attendout.md). The framework-free core is :mod:`rdrop_fairseq.core`; it
 needs only torch.
 """
 
@@ -20,4 +21,4 @@ allow_fairseq_checkpoint_globals()
 # fairseq 0.12 bugs the summarization recipe hits are fixed by that recipe alone, not here:
 # see fairseq_fixes.)
 if importlib.util.find_spec("fairseq") is not None:
-    from . import criterions  # noqa: F401,E402
+    from . import criterions, models, tasks  # noqa: F401,E402

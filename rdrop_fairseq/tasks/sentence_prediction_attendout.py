@@ -1,0 +1,300 @@
+"""``sentence_prediction_attendout``: fine-tuning with AttendOut (Algorithm 1 of Wu, Zhao,
+Zhang, arXiv 2104.04692), on fairseq's ``sentence_prediction`` task.
+
+Every training batch:
+
+1. the generator (no gradient) gives each attention unit of the attacker a drop probability;
+   a mask is sampled from a seeded generator (the seed is kept, not the mask);
+2. the criterion is applied twice on the same batch: to the attacker with the masks, and to
+   the defender (``attendout_role="defender"``); both losses are backpropagated into
+   fairseq's optimizer, which updates both copies (never the generator).
+
+Every ``--attendout-interval`` T *updates* (the pruning step, in ``optimizer_step``):
+
+3. attacker (with each batch's masks) and defender are evaluated on the cached batches,
+   in evaluation mode; reward per example = defender loss - attacker loss (or attacker
+   correct - defender correct), so the generator is rewarded when the attacker wins;
+4. REINFORCE with a moving-average baseline (Eq. 4) updates the generator with its own Adam;
+5. the defender is overwritten by the attacker (D <- A), fp32 master copies included.
+
+The criterion is any sentence-prediction criterion: ``sentence_prediction`` or
+``sentence_prediction_rdrop`` (AttendOut + R-Drop: the mask is part of ``net_input``, so
+R-Drop's duplicated batch carries the same mask in both passes).
+"""
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from fairseq import utils
+from fairseq.dataclass import ChoiceEnum
+from fairseq.logging import metrics
+from fairseq.tasks import register_task
+from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
+
+from ..models.attendout_layers import action_log_prob, sample_drop
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SentencePredictionAttendOutConfig(SentencePredictionConfig):
+    attendout_interval: int = field(
+        default=25,
+        metadata={"help": "pruning step T: every T updates the generator is rewarded and the "
+                  "defender overwritten by the attacker (paper: 10, 15 or 25)"},
+    )
+    attendout_generator_lr: float = field(
+        default=5e-5, metadata={"help": "learning rate of the generator's Adam (paper: 5e-5)"}
+    )
+    attendout_reward: ChoiceEnum(["loss", "accuracy"]) = field(
+        default="loss",
+        metadata={"help": "reward per example: defender loss - attacker loss, or attacker "
+                  "correct - defender correct (the paper names both, uses neither explicitly)"},
+    )
+    attendout_reward_per_batch: bool = field(
+        default=False,
+        metadata={"help": "one reward per cached batch (its mean), as the paper's r_t, instead "
+                  "of one per example (ours, lower variance)"},
+    )
+    attendout_baseline_decay: float = field(
+        default=0.95,
+        metadata={"help": "REINFORCE baseline: moving average of past mean rewards with this "
+                  "decay, in [0, 1) (the paper's b is unspecified)"},
+    )
+    attendout_prune_threshold: float = field(
+        default=0.5,
+        metadata={"help": "a layer is pruned (mean of V at inference) when the generator's "
+                  "greedy mask drops all its units for at least this fraction of examples "
+                  "(moving average over training batches), in (0, 1]"},
+    )
+    attendout_sync_optimizer_state: bool = field(
+        default=False,
+        metadata={"help": "also copy the attacker's Adam moments to the defender at D <- A "
+                  "(default: the defender keeps its own)"},
+    )
+
+
+@register_task("sentence_prediction_attendout", dataclass=SentencePredictionAttendOutConfig)
+class SentencePredictionAttendOutTask(SentencePredictionTask):
+    def __init__(self, cfg, data_dictionary, label_dictionary):
+        super().__init__(cfg, data_dictionary, label_dictionary)
+        if cfg.attendout_interval < 1:
+            raise ValueError(f"--attendout-interval must be >= 1, got {cfg.attendout_interval}")
+        if not cfg.attendout_generator_lr > 0:
+            raise ValueError("--attendout-generator-lr must be > 0, got "
+                             f"{cfg.attendout_generator_lr}")
+        if not 0 <= cfg.attendout_baseline_decay < 1:
+            raise ValueError("--attendout-baseline-decay must be in [0, 1), got "
+                             f"{cfg.attendout_baseline_decay}")
+        if not 0 < cfg.attendout_prune_threshold <= 1:
+            raise ValueError("--attendout-prune-threshold must be in (0, 1], got "
+                             f"{cfg.attendout_prune_threshold}")
+        if cfg.regression_target and cfg.attendout_reward == "accuracy":
+            raise ValueError("--attendout-reward accuracy needs classification; regression "
+                             "(--regression-target) is rewarded by the MSE: use loss")
+        self._cache = []  # (sample, seed) of the batches since the last pruning step
+
+    def build_model(self, cfg, from_checkpoint=False):
+        model = super().build_model(cfg, from_checkpoint)
+        if from_checkpoint and getattr(model, "inference_only", False):
+            return model  # an exported model, loaded for inference
+        if not hasattr(model, "generator") or getattr(model, "inference_only", True):
+            raise ValueError(
+                "--task sentence_prediction_attendout trains a roberta_attendout model "
+                "(--arch roberta_attendout_base / _large / roberta_attendout); got "
+                f"{type(model).__name__}")
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise ValueError(
+                "sentence_prediction_attendout runs on one GPU for now: the generator's "
+                "rewards and gradients are not all-reduced across workers")
+        return model
+
+    # -- training --------------------------------------------------------------------
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        model.train()
+        model.set_num_updates(update_num)
+        tokens = sample["net_input"]["src_tokens"]
+        padding_mask = tokens.eq(self.source_dictionary.pad())
+        generator = model.generator
+        with torch.no_grad():
+            probs = torch.sigmoid(self._drop_logits(model, tokens, padding_mask))
+            drop_rate = generator.update_statistics(probs, padding_mask)
+            seed = self._next_seed(generator)
+            drop = sample_drop(probs, seed)
+        attacker = dict(sample, net_input=dict(sample["net_input"], attendout_drop=drop))
+        defender = dict(sample, net_input=dict(sample["net_input"], attendout_role="defender"))
+        amp = isinstance(optimizer, _amp_optimizer_types())
+        with torch.autograd.profiler.record_function("forward"):
+            with torch.cuda.amp.autocast(enabled=amp):
+                loss, sample_size, logging_output = criterion(model, attacker)
+                defender_loss, _, defender_log = criterion(model, defender)
+        total = loss + defender_loss
+        if ignore_grad:
+            total = total * 0
+        else:
+            self._cache.append((sample, seed))
+        with torch.autograd.profiler.record_function("backward"):
+            optimizer.backward(total)
+        logging_output["defender_loss"] = defender_log["loss"]
+        for i, rate in enumerate(drop_rate.unbind()):  # 0-dim tensors: no host sync
+            logging_output[f"attendout_drop_L{i}"] = rate * sample_size
+        return loss, sample_size, logging_output
+
+    def optimizer_step(self, optimizer, model, update_num):
+        super().optimizer_step(optimizer, model, update_num)
+        if (update_num + 1) % self.cfg.attendout_interval == 0:
+            self.pruning_step(model, optimizer)
+
+    def _drop_logits(self, model, tokens, padding_mask):
+        h0 = model.encoder.sentence_encoder.embed_without_dropout(tokens).detach()
+        return model.generator(h0, padding_mask)
+
+    def _next_seed(self, generator):
+        generator.masks_drawn += 1
+        return (self.cfg.seed * 1_000_003 + generator.masks_drawn) % (2 ** 62)
+
+    def pruning_step(self, model, optimizer):
+        """Reward the generator for the cached batches (REINFORCE, Eq. 4), then D <- A."""
+        generator = model.generator
+        cache, self._cache = self._cache, []
+        if cache:
+            model.eval()
+            g_opt = generator.build_optimizer(self.cfg.attendout_generator_lr)
+            generator.requires_grad_(True)
+            try:
+                rewards, log_probs = [], []
+                for sample, seed in cache:
+                    tokens = sample["net_input"]["src_tokens"]
+                    padding_mask = tokens.eq(self.source_dictionary.pad())
+                    logits = self._drop_logits(model, tokens, padding_mask)
+                    drop = sample_drop(torch.sigmoid(logits.detach()), seed)
+                    with torch.no_grad():
+                        reward = (self._example_scores(model, sample, drop=drop)
+                                  - self._example_scores(model, sample, role="defender"))
+                    if self.cfg.attendout_reward_per_batch:
+                        reward = reward.mean().expand_as(reward)
+                    rewards.append(reward)
+                    log_probs.append(action_log_prob(logits, drop, padding_mask))
+                baseline = generator.baseline
+                mean_reward = torch.cat(rewards).mean()
+                if baseline is None:
+                    baseline = torch.zeros_like(mean_reward)
+                # Eq. 4: (1/m) sum_k sum_t (r - b) grad log P(a_t), m examples per batch
+                pg_loss = -sum(((r - baseline) * lp).mean() for r, lp in zip(rewards, log_probs))
+                g_opt.zero_grad()
+                pg_loss.backward()
+                g_opt.step()
+            finally:
+                generator.requires_grad_(False)
+            decay = self.cfg.attendout_baseline_decay
+            generator.baseline = (mean_reward.detach() if generator.baseline is None
+                                  else decay * generator.baseline + (1 - decay) * mean_reward)
+            generator.pruning_steps += 1
+            model.train()
+        self.copy_attacker_to_defender(model, optimizer)
+
+    def _example_scores(self, model, sample, drop=None, role="attacker"):
+        """Per-example score of the attacker (masks ``drop``) or the defender, larger =
+        better: minus the loss, or correctness with ``--attendout-reward accuracy``."""
+        logits, _ = model(**sample["net_input"], features_only=True,
+                          classification_head_name=self.cfg.classification_head_name,
+                          attendout_drop=drop, attendout_role=role)
+        targets = model.get_targets(sample, [logits]).view(-1)
+        if self.cfg.regression_target:
+            return -F.mse_loss(logits.view(-1).float(), targets.float(), reduction="none")
+        if self.cfg.attendout_reward == "accuracy":
+            return logits.argmax(-1).eq(targets).float()
+        return -F.cross_entropy(logits.float(), targets, reduction="none")
+
+    def copy_attacker_to_defender(self, model, optimizer):
+        """D <- A in the model and, under --fp16/--bf16, in fairseq's fp32 master copies
+        (which would otherwise overwrite the copy at the next step)."""
+        model.copy_attacker_to_defender()
+        pairs = model.defender_pairs()
+        masters = fp32_master_views(optimizer)
+        if masters is not None:
+            with torch.no_grad():
+                for a, d in pairs:
+                    masters[id(d)].copy_(masters[id(a)])
+        if self.cfg.attendout_sync_optimizer_state:
+            state = optimizer.optimizer.state if hasattr(optimizer, "optimizer") else {}
+            for a, d in pairs:
+                if a in state:
+                    state[d] = {k: v.clone() if torch.is_tensor(v) else v
+                                for k, v in state[a].items()}
+
+    # -- validation ------------------------------------------------------------------
+    def valid_step(self, sample, model, criterion):
+        """The model as it would be exported (pruned layers as a mean of V), then unpruned."""
+        if model.generator is None:  # an exported model: its pruning is fixed
+            return super().valid_step(sample, model, criterion)
+        model.eval()
+        pruned = model.generator.pruned_layers(self.cfg.attendout_prune_threshold)
+        with torch.no_grad():
+            model.set_pruned_layers(pruned)
+            try:
+                loss, sample_size, logging_output = criterion(model, sample)
+            finally:
+                model.set_pruned_layers(())
+            _, _, unpruned = criterion(model, sample)
+        logging_output["loss_unpruned"] = unpruned["loss"]
+        if "ncorrect" in unpruned:
+            logging_output["ncorrect_unpruned"] = unpruned["ncorrect"]
+        logging_output["attendout_num_pruned"] = len(pruned)
+        return loss, sample_size, logging_output
+
+    def reduce_metrics(self, logging_outputs, criterion):
+        super().reduce_metrics(logging_outputs, criterion)
+        sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
+        nsentences = sum(log.get("nsentences", 0) for log in logging_outputs)
+        if any("defender_loss" in log for log in logging_outputs):
+            total = utils.item(sum(log.get("defender_loss", 0) for log in logging_outputs))
+            metrics.log_scalar("defender_loss", total / max(sample_size, 1) / math.log(2),
+                               sample_size, round=3)
+        drop_keys = sorted({k for log in logging_outputs for k in log
+                            if k.startswith("attendout_drop_L")}, key=lambda k: int(k[16:]))
+        for key in drop_keys:
+            rate = utils.item(sum(log.get(key, 0) for log in logging_outputs))
+            metrics.log_scalar(key, rate / max(sample_size, 1), sample_size, round=3)
+        if any("loss_unpruned" in log for log in logging_outputs):
+            total = utils.item(sum(log.get("loss_unpruned", 0) for log in logging_outputs))
+            metrics.log_scalar("loss_unpruned", total / max(sample_size, 1) / math.log(2),
+                               sample_size, round=3)
+        if any("ncorrect_unpruned" in log for log in logging_outputs):
+            correct = utils.item(sum(log.get("ncorrect_unpruned", 0) for log in logging_outputs))
+            metrics.log_scalar("accuracy_unpruned", 100.0 * correct / max(nsentences, 1),
+                               nsentences, round=1)
+        if any("attendout_num_pruned" in log for log in logging_outputs):
+            metrics.log_scalar("attendout_num_pruned",
+                               max(log.get("attendout_num_pruned", 0) for log in logging_outputs),
+                               weight=0, round=0)
+
+
+def _amp_optimizer_types():
+    from fairseq.optim.amp_optimizer import AMPOptimizer
+
+    return (AMPOptimizer,)
+
+
+def fp32_master_views(optimizer):
+    """``{id(model parameter): its fp32 master copy}`` for fairseq's FP16Optimizer (flat or
+    not); None for optimizers without masters (fp32, --amp, --memory-efficient-fp16)."""
+    masters = getattr(optimizer, "fp32_params", None)
+    params = getattr(optimizer, "fp16_params", None)
+    if masters is None or params is None:
+        return None
+    if isinstance(masters, list):
+        return {id(p): m.data for p, m in zip(params, masters)}
+    if isinstance(masters, dict):
+        if len(masters) != 1:
+            raise ValueError("AttendOut does not support pipeline-parallel fp16 masters")
+        masters = next(iter(masters.values()))
+    views, offset = {}, 0
+    for p in params:
+        n = p.numel()
+        views[id(p)] = masters.data[offset:offset + n].view_as(p)
+        offset += n
+    return views
