@@ -1,0 +1,97 @@
+"""Export an AttendOut checkpoint as the attacker alone, with its pruned layers recorded.
+
+The output holds the attacker's encoder and classification heads (the keys of a plain
+``roberta`` checkpoint), no defender, generator or optimizer state, and in its model config
+``attendout_pruned_layers`` and ``attendout_inference_only``. Loaded with the plugin imported
+(``--user-dir``, or ``import rdrop_fairseq`` before ``RobertaModel.from_pretrained``), the
+pruned layers run as a mean of V (Eq. 3 of the paper); the same weights load strictly into
+a plain ``roberta`` model, which runs every layer in full.
+
+A layer is pruned when the generator's greedy mask (drop probability > 0.5) dropped all of
+its attention units for at least ``--threshold`` of the training examples (a moving average
+kept during training; default: the run's ``--attendout-prune-threshold``).
+
+Usage::
+
+    python -m rdrop_fairseq.recipes.export_attendout --checkpoint CKPT --output OUT.pt
+"""
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+
+
+def export(state, threshold=None):
+    """The exported checkpoint dict and a report ``[(layer, fraction, pruned)]``."""
+    model_state = state["model"]
+    key = "generator.greedy_all_dropped"
+    if key not in model_state:
+        raise ValueError("not an AttendOut training checkpoint: it has no generator "
+                         f"statistics ({key}); was it trained with --arch roberta_attendout?")
+    cfg = state.get("cfg")
+    if not isinstance(cfg, dict):
+        raise ValueError("the checkpoint has no fairseq config (cfg); was it written by "
+                         "fairseq-train >= 0.10?")
+    if threshold is None:
+        threshold = cfg["task"].get("attendout_prune_threshold", 0.5)
+    if not 0 < threshold <= 1:
+        raise ValueError(f"--threshold must be in (0, 1], got {threshold}")
+    fractions = model_state[key].float().tolist()
+    report = [(i, f, f >= threshold) for i, f in enumerate(fractions)]
+    pruned = [i for i, _, p in report if p]
+    exported = {k: v for k, v in state.items()
+                if k != "last_optimizer_state"}
+    exported["model"] = {k: v for k, v in model_state.items()
+                         if not k.startswith(("defender.", "generator."))}
+    exported["optimizer_history"] = [
+        {k: v for k, v in h.items() if k != "optimizer"} for h in state["optimizer_history"]]
+    cfg = copy.deepcopy(cfg)
+    model_cfg = {"attendout_pruned_layers": ",".join(map(str, pruned)),
+                 "attendout_inference_only": True}
+    if isinstance(cfg["model"], argparse.Namespace):  # fairseq's legacy (argparse) models
+        vars(cfg["model"]).update(model_cfg)
+    else:
+        cfg["model"].update(model_cfg)
+    exported["cfg"] = cfg
+    return exported, report, threshold
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="an AttendOut training checkpoint")
+    parser.add_argument("--output", required=True, help="where to write the exported model")
+    parser.add_argument("--threshold", type=float, default=None,
+                        help="prune a layer whose greedy mask dropped all units for at least "
+                        "this fraction of examples (default: the run's "
+                        "--attendout-prune-threshold)")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.checkpoint):
+        parser.error(f"--checkpoint {args.checkpoint}: no such file")
+    import rdrop_fairseq  # noqa: F401  (allow-lists fairseq checkpoint globals for torch.load)
+    # the checkpoint as fairseq wrote it (cfg a plain dict), not upgraded by fairseq's loader
+    state = torch.load(args.checkpoint, map_location="cpu")
+    try:
+        exported, report, threshold = export(state, args.threshold)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"layers pruned where the generator's greedy mask dropped every attention unit for "
+          f">= {threshold:g} of the training examples (moving average):")
+    for layer, fraction, pruned in report:
+        print(f"  layer {layer:2d}: {fraction:6.3f}  {'pruned (mean of V)' if pruned else 'kept'}")
+    pruned = [str(layer) for layer, _, p in report if p]
+    print(f"{len(pruned)}/{len(report)} layers pruned: {','.join(pruned) or 'none'}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    tmp = args.output + ".tmp"
+    torch.save(exported, tmp)
+    os.replace(tmp, args.output)  # never a half-written export
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
