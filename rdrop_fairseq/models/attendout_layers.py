@@ -285,9 +285,44 @@ def sample_drop(probs, seed):
     return torch.rand(probs.shape, generator=gen, device=probs.device) < probs
 
 
+def pack_mask(mask):
+    """A bool tensor as ``(bits, shape)``, 8 values per byte (the pruning step's cache)."""
+    flat = mask.reshape(-1)
+    flat = F.pad(flat.to(torch.uint8), (0, -flat.numel() % 8)).view(-1, 8)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=mask.device)
+    return (flat * weights).sum(-1, dtype=torch.uint8), mask.shape
+
+
+def unpack_mask(bits, shape):
+    """The inverse of :func:`pack_mask`."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    flat = ((bits[:, None] >> shifts) & 1).bool().reshape(-1)
+    return flat[: math.prod(shape)].view(shape)
+
+
 def action_log_prob(logits, drop, padding_mask):
     """``log P(a)`` per example, averaged over its valid units (Eq. 4's ``1/(n l^2)`` with
     ``l`` the example's own length): ``(B,)``."""
     log_p = torch.where(drop, F.logsigmoid(logits), F.logsigmoid(-logits))
     valid = unit_mask(padding_mask).unsqueeze(1).expand_as(log_p)
     return (log_p * valid).sum((1, 2, 3)) / valid.sum((1, 2, 3)).clamp_min(1)
+
+
+def reinforce_step(generator, rewards, log_probs, baseline_decay):
+    """One policy-gradient update of the generator (Eq. 4) with its own optimizer.
+
+    ``rewards[t]``, ``log_probs[t]``: ``(m,)`` per example of cached batch ``t`` (the log
+    probabilities with a graph into the generator). The loss is
+    ``-sum_t (1/m) sum_k (r_tk - b) log P(a_tk)``, ``b`` the moving average of past mean
+    rewards (0 before the first step), updated after use. Returns the mean reward.
+    """
+    mean_reward = torch.cat([r.reshape(-1) for r in rewards]).mean().detach()
+    baseline = generator.baseline if generator.baseline is not None else torch.zeros_like(
+        mean_reward)
+    loss = -sum(((r - baseline) * lp).mean() for r, lp in zip(rewards, log_probs))
+    generator.optimizer.zero_grad()
+    loss.backward()
+    generator.optimizer.step()
+    generator.baseline = (mean_reward if generator.baseline is None else
+                          baseline_decay * generator.baseline + (1 - baseline_decay) * mean_reward)
+    return mean_reward

@@ -34,7 +34,13 @@ from fairseq.logging import metrics
 from fairseq.tasks import register_task
 from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
 
-from ..models.attendout_layers import action_log_prob, sample_drop
+from ..models.attendout_layers import (
+    action_log_prob,
+    pack_mask,
+    reinforce_step,
+    sample_drop,
+    unpack_mask,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +101,18 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if cfg.regression_target and cfg.attendout_reward == "accuracy":
             raise ValueError("--attendout-reward accuracy needs classification; regression "
                              "(--regression-target) is rewarded by the MSE: use loss")
-        self._cache = []  # (sample, seed) of the batches since the last pruning step
+        # (sample, its attacker mask as bits) of the batches since the last pruning step:
+        # B * layers * T^2 / 8 bytes each
+        self._cache = []
+
+    def build_criterion(self, cfg):
+        criterion = super().build_criterion(cfg)
+        if not hasattr(criterion, "classification_head_name"):
+            raise ValueError(
+                "sentence_prediction_attendout needs a sentence-prediction criterion (with a "
+                "classification head): --criterion sentence_prediction or "
+                f"sentence_prediction_rdrop, got {type(criterion).__name__}")
+        return criterion
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
@@ -135,7 +152,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if ignore_grad:
             total = total * 0
         else:
-            self._cache.append((sample, seed))
+            self._cache.append((sample, pack_mask(drop)))
         with torch.autograd.profiler.record_function("backward"):
             optimizer.backward(total)
         logging_output["defender_loss"] = defender_log["loss"]
@@ -162,15 +179,17 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         cache, self._cache = self._cache, []
         if cache:
             model.eval()
-            g_opt = generator.build_optimizer(self.cfg.attendout_generator_lr)
+            generator.build_optimizer(self.cfg.attendout_generator_lr)
             generator.requires_grad_(True)
             try:
                 rewards, log_probs = [], []
-                for sample, seed in cache:
+                for sample, packed in cache:
                     tokens = sample["net_input"]["src_tokens"]
                     padding_mask = tokens.eq(self.source_dictionary.pad())
+                    # log P(action) under the generator, whose parameters have not changed
+                    # since the action; its input (the embeddings) may have, slightly
                     logits = self._drop_logits(model, tokens, padding_mask)
-                    drop = sample_drop(torch.sigmoid(logits.detach()), seed)
+                    drop = unpack_mask(*packed)
                     with torch.no_grad():
                         reward = (self._example_scores(model, sample, drop=drop)
                                   - self._example_scores(model, sample, role="defender"))
@@ -178,22 +197,14 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
                         reward = reward.mean().expand_as(reward)
                     rewards.append(reward)
                     log_probs.append(action_log_prob(logits, drop, padding_mask))
-                baseline = generator.baseline
-                mean_reward = torch.cat(rewards).mean()
-                if baseline is None:
-                    baseline = torch.zeros_like(mean_reward)
-                # Eq. 4: (1/m) sum_k sum_t (r - b) grad log P(a_t), m examples per batch
-                pg_loss = -sum(((r - baseline) * lp).mean() for r, lp in zip(rewards, log_probs))
-                g_opt.zero_grad()
-                pg_loss.backward()
-                g_opt.step()
+                reinforce_step(generator, rewards, log_probs,
+                                             self.cfg.attendout_baseline_decay)
             finally:
                 generator.requires_grad_(False)
-            decay = self.cfg.attendout_baseline_decay
-            generator.baseline = (mean_reward.detach() if generator.baseline is None
-                                  else decay * generator.baseline + (1 - decay) * mean_reward)
             generator.pruning_steps += 1
             model.train()
+            logger.info(f"AttendOut pruning step {generator.pruning_steps}: generator "
+                        f"rewarded on {len(cache)} cached batches, defender <- attacker")
         self.copy_attacker_to_defender(model, optimizer)
 
     def _example_scores(self, model, sample, drop=None, role="attacker"):
