@@ -187,8 +187,10 @@ class RobertaAttendOutModel(RobertaModel):
 
 @register_model_architecture("roberta_attendout", "roberta_attendout")
 def attendout_base_architecture(args):
-    args.attendout_init_drop = getattr(args, "attendout_init_drop", None) or 0.1
-    args.attendout_pruned_layers = getattr(args, "attendout_pruned_layers", None) or ""
+    if getattr(args, "attendout_init_drop", None) is None:
+        args.attendout_init_drop = 0.1
+    if getattr(args, "attendout_pruned_layers", None) is None:
+        args.attendout_pruned_layers = ""
     args.attendout_inference_only = getattr(args, "attendout_inference_only", False)
     base_architecture(args)
 

@@ -108,10 +108,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
     def build_criterion(self, cfg):
         criterion = super().build_criterion(cfg)
         if not hasattr(criterion, "classification_head_name"):
-            raise ValueError(
-                "sentence_prediction_attendout needs a sentence-prediction criterion (with a "
-                "classification head): --criterion sentence_prediction or "
-                f"sentence_prediction_rdrop, got {type(criterion).__name__}")
+            raise ValueError(f"{_NEEDS_HEAD_CRITERION}, got {type(criterion).__name__}")
         return criterion
 
     def build_model(self, cfg, from_checkpoint=False):
@@ -282,6 +279,11 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
             metrics.log_scalar("attendout_num_pruned",
                                max(log.get("attendout_num_pruned", 0) for log in logging_outputs),
                                weight=0, round=0)
+
+
+_NEEDS_HEAD_CRITERION = (
+    "sentence_prediction_attendout needs a sentence-prediction criterion with a "
+    "classification head: --criterion sentence_prediction or sentence_prediction_rdrop")
 
 
 def _amp_optimizer_types():

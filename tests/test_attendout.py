@@ -1,0 +1,667 @@
+"""AttendOut: the maskable layer, the generator, the model, the task's loop, the export.
+
+Tiny models (3 layers x 16) on CPU; the layer and generator tests compare with fairseq's
+own encoder layer and with the paper's equations written out here; the loop tests run the
+task in-process; a few tests run fairseq-train / fairseq-hydra-train end to end.
+"""
+
+import copy
+import math
+import random
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fairseq import options, tasks
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.modules.transformer_layer import TransformerEncoderLayer
+from omegaconf import OmegaConf
+
+import rdrop_fairseq
+from rdrop_fairseq.models.attendout_layers import (
+    AttendOutEncoderLayer,
+    AttendOutGenerator,
+    action_log_prob,
+    masked_self_attention,
+    mean_of_values,
+    pack_mask,
+    reinforce_step,
+    unpack_mask,
+)
+from rdrop_fairseq.recipes import export_attendout
+from rdrop_fairseq.tasks.sentence_prediction_attendout import fp32_master_views
+
+BIN = Path(sys.executable).parent
+USER_DIR = str(Path(rdrop_fairseq.__file__).parent)
+TINY = ["--encoder-layers", "3", "--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+        "--encoder-attention-heads", "2", "--max-positions", "64"]
+WORDS = "the a man woman dog cat runs sleeps park city river old new red blue music".split()
+HEAD = "sentence_classification_head"
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def write_split(root, name, n, rng, regression=False):
+    with open(root / f"{name}.input0", "w") as f, open(root / f"{name}.label", "w") as g:
+        for _ in range(n):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(3, 12))]
+            f.write(" ".join(words) + "\n")
+            label = f"{words.count('dog') / 2:.2f}" if regression else (
+                "pos" if "dog" in words else "neg")
+            g.write(label + "\n")
+
+
+def preprocess(raw, dest, regression=False):
+    kinds = ["input0"] if regression else ["input0", "label"]
+    for kind in kinds:
+        subprocess.run([str(BIN / "fairseq-preprocess"), "--only-source", "--trainpref",
+                        raw / f"train.{kind}", "--validpref", raw / f"valid.{kind}",
+                        "--destdir", dest / kind, "--workers", "1"],
+                       check=True, capture_output=True)
+    if regression:
+        (dest / "label").mkdir()
+        for split in ("train", "valid"):
+            (dest / "label" / f"{split}.label").write_text((raw / f"{split}.label").read_text())
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attendout-data")
+    rng = random.Random(0)
+    raw = root / "raw"
+    raw.mkdir()
+    write_split(raw, "train", 64, rng)
+    write_split(raw, "valid", 16, rng)
+    preprocess(raw, root / "bin")
+    return root / "bin"
+
+
+@pytest.fixture(scope="module")
+def regression_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("attendout-sts")
+    rng = random.Random(1)
+    raw = root / "raw"
+    raw.mkdir()
+    write_split(raw, "train", 32, rng, regression=True)
+    write_split(raw, "valid", 8, rng, regression=True)
+    preprocess(raw, root / "bin", regression=True)
+    return root / "bin"
+
+
+def build(data, *extra, criterion="sentence_prediction", arch="roberta_attendout"):
+    """(task, model, criterion) built as fairseq-train builds them."""
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(data), "--user-dir", USER_DIR, "--task", "sentence_prediction_attendout",
+        "--arch", arch, *TINY, "--criterion", criterion, "--num-classes", "2", "--cpu",
+        "--optimizer", "adam", "--lr", "1e-3", *extra])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(0)
+    model = task.build_model(cfg.model)
+    return task, model, task.build_criterion(cfg.criterion), cfg
+
+
+def make_sample(task, batch=4, length=9, seed=0):
+    """A right-padded batch like sentence_prediction's: <s> words </s> <pad>..."""
+    g = torch.Generator().manual_seed(seed)
+    d = task.source_dictionary
+    lengths = torch.randint(3, length + 1, (batch,), generator=g)
+    lengths[0] = length
+    tokens = torch.full((batch, length), d.pad())
+    for i, n in enumerate(lengths.tolist()):
+        tokens[i, :n] = torch.randint(d.nspecial, len(d) - 1, (n,), generator=g)
+        tokens[i, 0], tokens[i, n - 1] = d.bos(), d.eos()
+    return {"id": torch.arange(batch), "nsentences": batch, "ntokens": int(lengths.sum()),
+            "net_input": {"src_tokens": tokens, "src_lengths": lengths},
+            "target": torch.randint(0, 2, (batch,), generator=g)}
+
+
+def sharpen(model, scale=20.0):
+    """Scale Q/K weights so that attention is far from uniform (BERT's init makes it ~uniform,
+    which would hide the difference between attention and a mean of V)."""
+    with torch.no_grad():
+        for layer in model.encoder.sentence_encoder.layers:
+            layer.self_attn.q_proj.weight.mul_(scale)
+            layer.self_attn.k_proj.weight.mul_(scale)
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+def layer_pair(normalize_before=False):
+    args = types.SimpleNamespace(
+        encoder_embed_dim=16, encoder_ffn_embed_dim=32, encoder_attention_heads=2,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, activation_fn="gelu",
+        encoder_normalize_before=normalize_before)
+    torch.manual_seed(0)
+    ours = AttendOutEncoderLayer(args).eval()
+    theirs = TransformerEncoderLayer(args).eval()
+    with torch.no_grad():
+        ours.self_attn.q_proj.weight.mul_(10)  # attention far from uniform
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def layer_inputs(batch=3, length=7):
+    torch.manual_seed(1)
+    x = torch.randn(length, batch, 16)
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[1, 5:] = True
+    padding[2, 3:] = True
+    return x, padding
+
+
+@pytest.mark.parametrize("normalize_before", [False, True])
+def test_masked_path_with_nothing_dropped_equals_fairseqs_layer(normalize_before):
+    ours, theirs = layer_pair(normalize_before)
+    x, padding = layer_inputs()
+    keep_all = torch.zeros(x.size(1), x.size(0), x.size(0), dtype=torch.bool)
+    expected = theirs(x, padding)
+    valid = ~padding.t()
+    torch.testing.assert_close(ours(x, padding, attendout_drop=keep_all)[valid], expected[valid],
+                               rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours(x, padding), expected)  # no mask, not pruned: fairseq's own code
+
+
+def eq3(attn, x, padding):
+    """Eq. 3 written out: each query attends uniformly (1/n) to the n non-padding keys."""
+    T, B, C = x.shape
+    v = attn.v_proj(x)  # (T, B, C)
+    out = torch.empty_like(x)
+    for b in range(B):
+        n = int((~padding[b]).sum())
+        out[:, b] = v[:n, b].sum(0) / n
+    return attn.out_proj(out)
+
+
+def test_all_dropped_equals_pruned_equals_eq3():
+    ours, _ = layer_pair()
+    x, padding = layer_inputs()
+    all_dropped = torch.ones(x.size(1), x.size(0), x.size(0), dtype=torch.bool)
+    attn = ours.self_attn
+    reference = eq3(attn, x, padding)
+    masked = masked_self_attention(attn, x, padding, all_dropped)
+    pruned = mean_of_values(attn, x, padding)
+    valid = ~padding.t()
+    torch.testing.assert_close(masked[valid], reference[valid], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pruned[valid], reference[valid], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours(x, padding, attendout_drop=all_dropped)[valid],
+                               ours(x, padding, attendout_pruned=True)[valid],
+                               rtol=1e-5, atol=1e-6)
+    # and it is not what full attention gives (the test would be empty otherwise)
+    assert (ours(x, padding) - ours(x, padding, attendout_pruned=True))[valid].abs().max() > 1e-2
+
+
+def test_dropped_units_get_zero_attention_and_padding_never_leaks():
+    ours, _ = layer_pair()
+    attn = ours.self_attn
+    x, padding = layer_inputs()
+    T, B = x.size(0), x.size(1)
+    g = torch.Generator().manual_seed(0)
+    drop = torch.rand(B, T, T, generator=g) < 0.5
+    out = masked_self_attention(attn, x, padding, drop)
+    # changing the inputs at dropped keys and at padding changes nothing for a query i
+    # whose row keeps at least one key: perturb one key j's value through x only where
+    # every query that can see j has it dropped
+    for b in range(B):
+        n = int((~padding[b]).sum())
+        for j in range(T):
+            sees_j = [i for i in range(n) if not drop[b, i, j] and j < n]
+            x2 = x.clone()
+            x2[j, b] += 5.0
+            out2 = masked_self_attention(attn, x2, padding, drop)
+            for i in range(n):
+                if i == j or i in sees_j or bool(drop[b, i, :n].all()):
+                    continue
+                torch.testing.assert_close(out2[i, b], out[i, b], rtol=0, atol=1e-6)
+    # the same example alone, without padding, gives the same outputs
+    n = int((~padding[2]).sum())
+    alone = masked_self_attention(attn, x[:n, 2:3], None, drop[2:3, :n, :n])
+    torch.testing.assert_close(alone[:, 0], out[:n, 2], rtol=1e-5, atol=1e-6)
+    pruned_alone = mean_of_values(attn, x[:n, 2:3])
+    torch.testing.assert_close(pruned_alone[:, 0], mean_of_values(attn, x, padding)[:n, 2],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_are_finite_when_rows_are_fully_dropped():
+    ours, _ = layer_pair()
+    ours.train()
+    x, padding = layer_inputs()
+    x.requires_grad_(True)
+    drop = torch.ones(x.size(1), x.size(0), x.size(0), dtype=torch.bool)
+    drop[0, 0, 0] = False  # one row keeps a key, the others are all dropped
+    ours(x, padding, attendout_drop=drop).sum().backward()
+    assert torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters() if p.grad is not None)
+
+
+def test_pruned_layer_skips_q_and_k():
+    ours, _ = layer_pair()
+    x, padding = layer_inputs()
+    called = []
+    hooks = [getattr(ours.self_attn, n).register_forward_hook(lambda *a, n=n: called.append(n))
+             for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    ours(x, padding, attendout_pruned=True)
+    for h in hooks:
+        h.remove()
+    assert called == ["v_proj", "out_proj"]
+
+
+# --------------------------------------------------------------------------- the generator
+
+
+def test_generator_starts_at_init_drop_and_stays_float32():
+    g = AttendOutGenerator(16, 3, init_drop=0.1)
+    h = torch.randn(2, 5, 16)
+    pad = torch.zeros(2, 5, dtype=torch.bool)
+    logits = g(h, pad)
+    assert logits.shape == (2, 3, 5, 5) and logits.dtype == torch.float32
+    assert abs(torch.sigmoid(g.drop_bias).item() - 0.1) < 1e-6
+    g.half()
+    assert {p.dtype for p in g.parameters()} == {torch.float32}
+    assert not any(p.requires_grad for p in g.parameters())
+    for bad in (0.0, 1.0, -0.5, 2.0):
+        with pytest.raises(ValueError, match="--attendout-init-drop"):
+            AttendOutGenerator(16, 3, init_drop=bad)
+
+
+def test_action_log_prob_counts_valid_units_only():
+    logits = torch.randn(2, 3, 4, 4)
+    drop = torch.rand(2, 3, 4, 4) < 0.5
+    pad = torch.tensor([[False] * 4, [False, False, True, True]])
+    expected = []
+    for b, n in enumerate((4, 2)):
+        lp = torch.where(drop[b, :, :n, :n], F.logsigmoid(logits[b, :, :n, :n]),
+                         F.logsigmoid(-logits[b, :, :n, :n]))
+        expected.append(lp.sum() / (3 * n * n))
+    torch.testing.assert_close(action_log_prob(logits, drop, pad), torch.stack(expected))
+    # the padded units' values do not matter
+    logits2 = logits.clone()
+    logits2[1, :, 2:, :] = 100.0
+    torch.testing.assert_close(action_log_prob(logits2, drop, pad)[1], expected[1])
+
+
+def test_mask_packing_round_trip():
+    mask = torch.rand(3, 2, 7, 7) < 0.3
+    bits, shape = pack_mask(mask)
+    assert bits.dtype == torch.uint8 and bits.numel() == math.ceil(mask.numel() / 8)
+    assert torch.equal(unpack_mask(bits, shape), mask)
+
+
+def test_reinforce_moves_the_generator_towards_rewarded_drops():
+    """Toy reward: +1 per dropped unit of layer 1, -1 per dropped unit of layer 0. REINFORCE
+    must raise layer 1's drop probability and lower layer 0's."""
+    torch.manual_seed(0)
+    g = AttendOutGenerator(16, 2, init_drop=0.5)
+    g.build_optimizer(lr=0.05)
+    h = torch.randn(8, 6, 16)
+    pad = torch.zeros(8, 6, dtype=torch.bool)
+    with torch.no_grad():
+        before = torch.sigmoid(g(h, pad)).mean((0, 2, 3))
+    for _ in range(30):
+        g.requires_grad_(True)
+        logits = g(h, pad)
+        drop = torch.rand(logits.shape) < torch.sigmoid(logits.detach())
+        reward = drop[:, 1].float().mean((1, 2)) - drop[:, 0].float().mean((1, 2))
+        reinforce_step(g, [reward], [action_log_prob(logits, drop, pad)], 0.9)
+        g.requires_grad_(False)
+    with torch.no_grad():
+        after = torch.sigmoid(g(h, pad)).mean((0, 2, 3))
+    assert after[1] > before[1] + 0.1 and after[0] < before[0] - 0.1, (before, after)
+    assert g.baseline is not None and g.optimizer.state_dict()["state"]
+
+
+# --------------------------------------------------------------------------- model + task
+
+
+def test_plain_roberta_weights_load_strictly_with_defender_equal_to_attacker(data):
+    task, model, _, cfg = build(data)
+    plain_args = copy.deepcopy(cfg.model)
+    plain_args._name = "roberta"
+    from fairseq import models
+
+    torch.manual_seed(5)
+    plain = models.build_model(plain_args, task)  # roberta.base/model.pt layout: no head
+    state = plain.state_dict()
+    generator_before = copy.deepcopy(model.generator.state_dict())
+    model.load_state_dict(copy.deepcopy(state), strict=True, model_cfg=cfg.model)
+    own = model.state_dict()
+    for key, value in state.items():
+        assert torch.equal(own[key], value), key
+        if key.startswith("encoder.") and not key.endswith("version"):
+            assert torch.equal(own["defender." + key], value), key
+    for key in own:
+        if key.startswith("classification_heads."):
+            assert torch.equal(own[key], own["defender." + key]), key
+    for key, value in generator_before.items():
+        if torch.is_tensor(value):
+            assert torch.equal(own["generator." + key], value), key
+
+
+def test_a_non_roberta_checkpoint_is_refused(data):
+    _, model, _, cfg = build(data)
+    with pytest.raises(ValueError, match="RoBERTa-format checkpoints"):
+        model.load_state_dict({"decoder.layers.0.fc1.weight": torch.zeros(1)}, strict=True,
+                              model_cfg=cfg.model)
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("--attendout-interval", "0", "--attendout-interval must be >= 1"),
+    ("--attendout-init-drop", "1.0", "--attendout-init-drop must be in"),
+    ("--attendout-init-drop", "0", "--attendout-init-drop must be in"),
+    ("--attendout-prune-threshold", "0", "--attendout-prune-threshold must be in"),
+    ("--attendout-baseline-decay", "1", "--attendout-baseline-decay must be in"),
+])
+def test_bad_options_fail_at_start_up(data, flag, value, match):
+    with pytest.raises(ValueError, match=match):
+        build(data, flag, value)
+
+
+def test_wrong_model_or_criterion_is_refused(data):
+    with pytest.raises(ValueError, match="roberta_attendout model"):
+        build(data, arch="roberta")
+    # (fairseq's own config already fails for most other criteria: sentence_prediction's
+    # task config interpolates the criterion's classification_head_name)
+    task, _, _, _ = build(data)
+    other = OmegaConf.create({"_name": "cross_entropy", "sentence_avg": False})
+    with pytest.raises(ValueError, match="sentence-prediction criterion with a classification"):
+        task.build_criterion(other)
+
+
+def test_several_workers_are_refused(data, monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    with pytest.raises(ValueError, match="one GPU"):
+        build(data)
+
+
+class Optimizer:
+    """The fp32 FairseqOptimizer fairseq-train builds (trainable parameters only)."""
+
+    def __new__(cls, cfg, model):
+        from fairseq import optim
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        return optim.build_optimizer(cfg.optimizer, params)
+
+
+def run_updates(task, model, criterion, cfg, updates, update_freq=1, seed=0):
+    optimizer = Optimizer(cfg, model)
+    pruning_calls = []
+    original = task.pruning_step
+    task.pruning_step = lambda m, o: (pruning_calls.append(len(task._cache)), original(m, o))
+    for update in range(updates):
+        for micro in range(update_freq):
+            sample = make_sample(task, seed=seed + update * update_freq + micro)
+            task.train_step(sample, model, criterion, optimizer, update)
+        task.optimizer_step(optimizer, model, update)
+        optimizer.zero_grad()
+    task.pruning_step = original
+    return optimizer, pruning_calls
+
+
+@pytest.mark.parametrize("update_freq", [1, 2])
+def test_pruning_step_every_T_updates_and_defender_becomes_attacker(data, update_freq):
+    task, model, criterion, cfg = build(data, "--attendout-interval", "3")
+    generator_before = copy.deepcopy(model.generator.state_dict())
+    _, calls = run_updates(task, model, criterion, cfg, 7, update_freq)
+    # updates 3 and 6, each with the T * update_freq batches since the last one
+    assert calls == [3 * update_freq, 3 * update_freq]
+    assert model.generator.pruning_steps == 2
+    assert model.generator.masks_drawn == 7 * update_freq
+    attacker = dict(model.attacker_parameters())
+    defender = dict(model.defender.named_parameters())
+    assert set(attacker) == set(defender)
+    # update 7 came after the last copy: both trained on the same batch, from equal weights
+    run_updates(task, model, criterion, cfg, 0)
+    task.pruning_step(model, Optimizer(cfg, model))
+    for name, p in model.attacker_parameters():
+        assert torch.equal(p, defender[name]), name
+    changed = [k for k, v in model.generator.state_dict().items()
+               if torch.is_tensor(v) and not torch.equal(v, generator_before[k])]
+    assert "drop_bias" in changed and "q_proj.weight" in changed
+
+
+def test_fairseqs_optimizer_never_holds_the_generator(data):
+    task, model, criterion, cfg = build(data, "--attendout-interval", "100")
+    optimizer = Optimizer(cfg, model)
+    held = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
+    assert not held & {id(p) for p in model.generator.parameters()}
+    params_before = {k: v.clone() for k, v in model.generator.named_parameters()}
+    run_updates(task, model, criterion, cfg, 3)
+    for k, v in model.generator.named_parameters():
+        assert torch.equal(v, params_before[k]), k  # no pruning step yet: untouched
+
+
+def test_defender_copy_reaches_fp16_master_weights(data, monkeypatch):
+    """--fp16/--bf16: fairseq's FP16Optimizer keeps fp32 masters that overwrite the model
+    after every step; D <- A must be written there too (flat and per-parameter masters)."""
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # flat masters' dict key
+    for flatten in (True, False):
+        task, model, criterion, cfg = build(data, "--bf16", "--attendout-interval", "100",
+                                            *([] if flatten else ["--fp16-no-flatten-grads"]))
+        model = model.to(torch.bfloat16)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = FP16Optimizer.build_optimizer(cfg, params)
+        with torch.no_grad():
+            for _, p in model.attacker_parameters():
+                p.add_(0.5)
+        masters = fp32_master_views(optimizer)
+        for _, p in model.attacker_parameters():
+            masters[id(p)].copy_(p.float())
+        task.copy_attacker_to_defender(model, optimizer)
+        optimizer._sync_fp32_params_to_fp16()  # what the next step does
+        for a, d in model.defender_pairs():
+            assert torch.equal(a, d)
+            assert torch.equal(masters[id(a)], masters[id(d)])
+
+
+def test_composes_with_rdrop_the_mask_is_shared_by_both_passes(data):
+    task, model, criterion, cfg = build(data, "--rdrop-alpha", "1.0",
+                                        criterion="sentence_prediction_rdrop")
+    seen = []
+    hook = model.encoder.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append(kwargs.get("attendout_drop")),
+        with_kwargs=True)
+    sample = make_sample(task)
+    _, _, log = task.train_step(sample, model, criterion, Optimizer(cfg, model), 0)
+    hook.remove()
+    drop = seen[0]
+    assert drop.size(0) == 2 * sample["nsentences"]  # the doubled batch carries the masks
+    assert torch.equal(drop[:4], drop[4:])
+    assert log["rdrop_kl"] > 0 and "defender_loss" in log
+
+
+def test_rdrop_alpha_zero_is_plain_sentence_prediction(data):
+    logs = []
+    for criterion, extra in (("sentence_prediction", []),
+                             ("sentence_prediction_rdrop", ["--rdrop-alpha", "0"])):
+        task, model, crit, cfg = build(data, *extra, criterion=criterion)
+        torch.manual_seed(0)
+        _, _, log = task.train_step(make_sample(task), model, crit, Optimizer(cfg, model), 0)
+        logs.append(log)
+    for key in ("loss", "defender_loss", "ncorrect"):
+        assert torch.equal(torch.as_tensor(logs[0][key]), torch.as_tensor(logs[1][key])), key
+
+
+def test_validation_reports_the_exported_model(data):
+    task, model, criterion, cfg = build(data)
+    sharpen(model)
+    sample = make_sample(task)
+    _, _, plain = task.valid_step(sample, model, criterion)
+    assert plain["attendout_num_pruned"] == 0
+    torch.testing.assert_close(plain["loss"], plain["loss_unpruned"])
+    model.generator.greedy_all_dropped.fill_(1.0)  # every layer pruned
+    _, _, pruned = task.valid_step(sample, model, criterion)
+    assert pruned["attendout_num_pruned"] == 3
+    torch.testing.assert_close(pruned["loss_unpruned"], plain["loss"])
+    assert not torch.allclose(pruned["loss"], plain["loss"])
+    model.set_pruned_layers((0, 1, 2))
+    _, _, direct = super(type(task), task).valid_step(sample, model, criterion)
+    torch.testing.assert_close(pruned["loss"], direct["loss"])
+    assert model.pruned_layers == (0, 1, 2)
+    model.set_pruned_layers(())
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def train_cmd(data, save_dir, *extra, max_update=8):
+    return [str(BIN / "fairseq-train"), str(data), "--user-dir", USER_DIR, "--cpu",
+            "--task", "sentence_prediction_attendout", "--arch", "roberta_attendout", *TINY,
+            "--criterion", "sentence_prediction", "--num-classes", "2", "--max-sentences", "8",
+            "--optimizer", "adam", "--lr", "1e-3", "--max-update", str(max_update),
+            "--attendout-interval", "4", "--attendout-generator-lr", "1e-2",
+            "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--log-interval", "1",
+            "--no-progress-bar", "--log-format", "simple", "--init-token", "0",
+            "--separator-token", "2", "--seed", "3", "--num-workers", "0", *extra]
+
+
+def run(cmd, cwd):
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300,
+                          env={"PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                               "HOME": "/tmp"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def load(path):
+    return torch.load(path, map_location="cpu")
+
+
+@pytest.fixture(scope="module")
+def straight_run(data, tmp_path_factory):
+    save = tmp_path_factory.mktemp("straight")
+    log = run(train_cmd(data, save), save)
+    return save, log
+
+
+def test_fairseq_train_end_to_end_then_export(straight_run, tmp_path):
+    save, log = straight_run
+    assert log.count("AttendOut pruning step") == 2
+    valid = [line for line in log.splitlines() if "valid on 'valid' subset" in line]
+    assert valid and all(re.search(r"accuracy_unpruned [\d.]+", v) for v in valid)
+    assert all("attendout_num_pruned 0" in v for v in valid)
+    assert re.search(r"attendout_drop_L2=0\.\d+", log)
+    state = load(save / "checkpoint_last.pt")
+    extra = state["model"]["generator._extra_state"]
+    assert extra["pruning_steps"] == 2 and extra["optimizer"]["state"]
+    # a generator that learnt to drop layers 0 and 2 for most examples (the tiny run's has
+    # not: its greedy masks never drop a whole layer)
+    assert state["model"]["generator.greedy_all_dropped"].tolist() == [0.0, 0.0, 0.0]
+    state["model"]["generator.greedy_all_dropped"] = torch.tensor([0.9, 0.49, 0.5])
+    torch.save(state, tmp_path / "trained.pt")
+    out = tmp_path / "exported" / "model.pt"
+    assert export_attendout.main(["--checkpoint", str(tmp_path / "trained.pt"),
+                                  "--output", str(out)]) == 0
+    exported = load(out)
+    assert not any(k.startswith(("defender.", "generator.")) for k in exported["model"])
+    assert "last_optimizer_state" not in exported
+    assert exported["cfg"]["model"].attendout_pruned_layers == "0,2"  # >= 0.5 of examples
+    assert exported["cfg"]["model"].attendout_inference_only
+
+    from fairseq import checkpoint_utils, models
+
+    loaded, cfg, task = checkpoint_utils.load_model_ensemble_and_task([str(out)])
+    model = loaded[0].eval()
+    assert model.inference_only and model.pruned_layers == (0, 2)
+    plain_cfg = copy.deepcopy(cfg.model)
+    plain_cfg._name = "roberta"
+    plain = models.build_model(plain_cfg, task)
+    plain.register_classification_head(HEAD, num_classes=2)
+    plain.load_state_dict(exported["model"], strict=True, model_cfg=plain_cfg)
+    plain.eval()
+    sharpen(plain)
+    sharpen(model)
+    sample = make_sample(task)
+    tokens = sample["net_input"]["src_tokens"]
+    full = plain(tokens, classification_head_name=HEAD)[0]
+    fast = model(tokens, classification_head_name=HEAD)[0]
+    assert not torch.allclose(full, fast, atol=1e-3)  # two layers pruned
+    model.set_pruned_layers(())
+    torch.testing.assert_close(model(tokens, classification_head_name=HEAD)[0], full)
+
+
+def test_export_refuses_a_checkpoint_without_attendout(tmp_path, capsys):
+    path = tmp_path / "plain.pt"
+    torch.save({"model": {"encoder.x": torch.zeros(1)}, "cfg": {"task": {}}}, path)
+    with pytest.raises(SystemExit):
+        export_attendout.main(["--checkpoint", str(path), "--output", str(tmp_path / "o.pt")])
+    assert "not an AttendOut training checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_resume_restores_every_attendout_state(straight_run, data, tmp_path):
+    """4 updates, stop, resume to 8: the same weights, generator, its Adam, baseline and
+    statistics as the straight 8-update run (the stop falls on a pruning step)."""
+    straight, _ = straight_run
+    run(train_cmd(data, tmp_path, max_update=4), tmp_path)
+    first = load(tmp_path / "checkpoint_last.pt")["model"]["generator._extra_state"]
+    assert first["pruning_steps"] == 1 and first["masks_drawn"] == 4
+    log = run(train_cmd(data, tmp_path, max_update=8), tmp_path)
+    assert "Loaded checkpoint" in log
+    resumed = load(tmp_path / "checkpoint_last.pt")["model"]
+    reference = load(straight / "checkpoint_last.pt")["model"]
+    assert set(resumed) == set(reference)
+    for key, value in reference.items():
+        if torch.is_tensor(value):
+            torch.testing.assert_close(resumed[key], value, rtol=0, atol=0, msg=key)
+    a, b = resumed["generator._extra_state"], reference["generator._extra_state"]
+    assert (a["pruning_steps"], a["masks_drawn"]) == (b["pruning_steps"], b["masks_drawn"]) == (2, 8)
+    torch.testing.assert_close(a["baseline"], b["baseline"], rtol=0, atol=0)
+    for name in ("exp_avg", "exp_avg_sq"):
+        for i in a["optimizer"]["state"]:
+            torch.testing.assert_close(a["optimizer"]["state"][i][name],
+                                       b["optimizer"]["state"][i][name], rtol=0, atol=0)
+
+
+def test_restore_a_plain_roberta_checkpoint_then_regression(regression_data, tmp_path):
+    """--restore-file of a plain roberta checkpoint (--reset-optimizer), on STS-B-like
+    regression (--num-classes 1): trains, rewards from the MSE, validates."""
+    pre = tmp_path / "pre"
+    run([str(BIN / "fairseq-train"), str(regression_data), "--cpu", "--task",
+         "sentence_prediction", "--arch", "roberta", *TINY, "--criterion",
+         "sentence_prediction", "--regression-target", "--num-classes", "1",
+         "--max-sentences", "8", "--optimizer", "adam", "--lr", "1e-3", "--max-update", "2",
+         "--save-dir", str(pre), "--no-epoch-checkpoints", "--no-progress-bar",
+         "--num-workers", "0"], tmp_path)
+    cmd = train_cmd(regression_data, tmp_path / "ft", "--regression-target",
+                    "--restore-file", str(pre / "checkpoint_last.pt"), "--reset-optimizer",
+                    "--reset-dataloader", "--reset-meters", max_update=4)
+    cmd[cmd.index("--num-classes") + 1] = "1"
+    log = run(cmd, tmp_path)
+    assert f"Loaded checkpoint {pre / 'checkpoint_last.pt'}" in log
+    assert "AttendOut pruning step 1" in log
+    state = load(tmp_path / "ft" / "checkpoint_last.pt")
+    assert torch.isfinite(state["model"]["generator.drop_bias"])
+
+
+def test_fairseq_hydra_train_end_to_end(data, tmp_path):
+    config = tmp_path / "attendout.yaml"
+    config.write_text(f"""\
+# @package _group_
+common: {{cpu: true, user_dir: {USER_DIR}, log_format: simple, log_interval: 1,
+  no_progress_bar: true, seed: 1}}
+task: {{_name: sentence_prediction_attendout, data: {data}, num_classes: 2, init_token: 0,
+  separator_token: 2, max_positions: 64, attendout_interval: 2}}
+model: {{_name: roberta_attendout, encoder_layers: 2, encoder_embed_dim: 16,
+  encoder_ffn_embed_dim: 32, encoder_attention_heads: 2, max_positions: 64}}
+criterion: {{_name: sentence_prediction}}
+optimizer: {{_name: adam}}
+lr_scheduler: {{_name: fixed}}
+optimization: {{max_update: 4, lr: [0.001]}}
+dataset: {{batch_size: 8, num_workers: 0}}
+checkpoint: {{save_dir: {tmp_path / 'ckpt'}, no_epoch_checkpoints: true}}
+""")
+    log = run([str(BIN / "fairseq-hydra-train"), "--config-dir", str(tmp_path),
+               "--config-name", "attendout", f"hydra.run.dir={tmp_path / 'hydra'}"], tmp_path)
+    assert log.count("AttendOut pruning step") == 2
+    assert (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
