@@ -19,9 +19,11 @@ setup(
         "test": ["pytest>=7", "pytest-xdist>=3", 'triton>=3.0; platform_system == "Linux"'],
         # rdrop_fairseq.recipes, run by scripts/*.sh (tokenisation, BPE, sentencepiece for
         # Chinese, ROUGE, plots,
-        # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check)
+        # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check;
+        # safetensors + tokenizers: the Hugging Face BERT converter, convert_hf_bert)
         "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8", "sentencepiece>=0.1.99",
-                    "rouge-score>=0.1.2", "matplotlib>=3.5", "tokenizers>=0.13"],
+                    "rouge-score>=0.1.2", "matplotlib>=3.5", "tokenizers>=0.13",
+                    "safetensors>=0.4"],
         # fairseq's --tensorboard-logdir; without it every fairseq command logs
         # "Please install tensorboardX" (fairseq/tasks/text_to_speech.py, at import)
         "tensorboard": ["tensorboardX>=2.1"],

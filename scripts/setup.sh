@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # checked from / so that the repository's own rdrop_fairseq/ does not count as installed
-if ! (cd / && "$VENV/bin/python" -c "import fairseq, rdrop_fairseq, pytest, xdist, sacremoses, subword_nmt, sentencepiece, rouge_score, matplotlib, tokenizers, triton, tensorboardX") 2>/dev/null; then
+if ! (cd / && "$VENV/bin/python" -c "import fairseq, rdrop_fairseq, pytest, xdist, sacremoses, subword_nmt, sentencepiece, rouge_score, matplotlib, tokenizers, safetensors, triton, tensorboardX") 2>/dev/null; then
   echo "[setup] installing torch (CPU), fairseq and rdrop-fairseq into $VENV"
   "${PIP[@]}" -r requirements/torch-cpu.txt
   "${PIP[@]}" -r requirements/fairseq.txt
