@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GLUE with R-Drop, the paper's table 3: RoBERTa large fine-tuned on one GPU per task with
 # the task's max updates, batch (sentences) and alpha (the paper's appendix table 1).
+# MODE=attendout: AttendOut (docs/attendout.md) on RoBERTa base, fairseq's roberta.base
+# settings per task (configs/roberta_glue_attendout.yaml); MODE=attendout_rdrop: both.
 #
 #   TASK=RTE bash scripts/glue.sh [prepare|train|evaluate|all] [extra arguments]
 #   TASK=MNLI MODE=baseline SEED=2 bash scripts/glue.sh train
@@ -10,7 +12,7 @@
 # (GPT-2's encoder.json, vocab.bpe, dict.txt), ROBERTA_DIR (roberta.large: model.pt;
 # FROM_SCRATCH=1: none, a randomly initialised model). Environment: TASK (CoLA, MRPC, RTE,
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
-# doubled-batch), ALPHA, SEED, MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ batches of
+# doubled-batch, attendout, attendout_rdrop), ALPHA, SEED, MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ batches of
 # batch/UPDATE_FREQ sentences), GPUS (0 or 1), CPU, BF16, FP16, FAIRSEQ_BIN, PYTHON, DRY_RUN.
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
 # of the Python module). A SAVE_DIR holding checkpoint_last.pt is resumed, not restarted.
@@ -33,14 +35,31 @@ case ${TASK:-} in
   *) die "TASK must be one of CoLA, MRPC, RTE, SST-2, MNLI, QNLI, QQP, STS-B, not '${TASK:-}'" ;;
 esac
 PAPER_MAX_UPDATE=${SETTINGS[0]} BATCH=${SETTINGS[1]} CLASSES=${SETTINGS[3]}
+CONFIG=roberta_glue_rdrop LR_ARGS=() CHECKPOINT_NAME=roberta.large
+case ${MODE:-} in
+  attendout|attendout_rdrop)
+    # fairseq's roberta.base GLUE table (examples/roberta/README.glue.md): updates, batch, lr
+    case $TASK in
+      CoLA) AO=(5336 16 1e-05) ;;   MRPC) AO=(2296 16 1e-05) ;;  RTE) AO=(2036 16 2e-05) ;;
+      SST-2) AO=(20935 32 1e-05) ;; MNLI) AO=(123873 32 1e-05) ;; QNLI) AO=(33112 32 1e-05) ;;
+      QQP) AO=(113272 32 1e-05) ;;  STS-B) AO=(3598 16 2e-05) ;;
+    esac
+    PAPER_MAX_UPDATE=${AO[0]} BATCH=${AO[1]} LR_ARGS=("optimization.lr=[${AO[2]}]")
+    CONFIG=roberta_glue_attendout CHECKPOINT_NAME=roberta.base ;;
+esac
 GLUE_DIR=${GLUE_DIR:-work/glue_data}
 BPE_DIR=${BPE_DIR:-work/gpt2_bpe}
-ROBERTA_DIR=${ROBERTA_DIR:-work/roberta.large}
+ROBERTA_DIR=${ROBERTA_DIR:-work/$CHECKPOINT_NAME}
 DATA_DIR=${DATA_DIR:-work/glue-bin}
 SAVE_DIR=${SAVE_DIR:-checkpoints/glue.$TASK.$MODE.seed$SEED}
 parse_stage "$@"
 BIN=$DATA_DIR/$TASK-bin
 detect_devices
+ATTENDOUT=0
+case $MODE in  # the R-Drop part of an AttendOut mode
+  attendout) ATTENDOUT=1 MODE=baseline ;;
+  attendout_rdrop) ATTENDOUT=1 MODE=rdrop ;;
+esac
 set_mode "${SETTINGS[2]}"
 
 prepare() {
@@ -73,28 +92,35 @@ train() {
     restore=(checkpoint.restore_file=checkpoint_last.pt checkpoint.reset_optimizer=false
              checkpoint.reset_dataloader=false checkpoint.reset_meters=false)
   else
-    need "$ROBERTA_DIR/model.pt" "ROBERTA_DIR must hold roberta.large/model.pt (or FROM_SCRATCH=1)"
+    need "$ROBERTA_DIR/model.pt" \
+         "ROBERTA_DIR must hold $CHECKPOINT_NAME/model.pt (or FROM_SCRATCH=1)"
     restore=(checkpoint.restore_file="$(realpath -m "$ROBERTA_DIR/model.pt")")
   fi
   [ -z "${SETTINGS[5]:-}" ] || task_args+=(criterion.${SETTINGS[5]}=true)
   # MNLI: valid = dev_matched, valid1 = dev_mismatched (quoted: hydra reads a,b as a sweep)
   [ "$TASK" != MNLI ] || task_args+=("dataset.valid_subset='valid,valid1'")
   run "$(fairseq_cli fairseq-hydra-train)" \
-      --config-dir "$CONFIGS" --config-name roberta_glue_rdrop \
+      --config-dir "$CONFIGS" --config-name $CONFIG \
       common.user_dir="$USER_DIR" task.data="$BIN" \
       checkpoint.save_dir="$SAVE_DIR" hydra.run.dir="$SAVE_DIR/hydra" common.seed="$SEED" \
       "${restore[@]}" task.num_classes="$CLASSES" criterion.regression_target=$regression \
       dataset.batch_size=$batch_size "optimization.update_freq=[$UPDATE_FREQ]" \
       optimization.max_update="$max_update" lr_scheduler.warmup_updates=$warmup \
-      checkpoint.best_checkpoint_metric="${SETTINGS[4]}" \
+      checkpoint.best_checkpoint_metric="${SETTINGS[4]}" "${LR_ARGS[@]}" \
       "${task_args[@]}" "${MODE_ARGS[@]}" "${DEVICE_ARGS[@]}" "${EXTRA[@]}"
 }
 
 evaluate() {
   need "$SAVE_DIR/checkpoint_best.pt" "train first: TASK=$TASK bash scripts/glue.sh train"
+  local checkpoint=$SAVE_DIR/checkpoint_best.pt
+  if (( ATTENDOUT )); then  # the attacker alone, its pruned layers as a mean of V
+    run "$PYTHON" -m rdrop_fairseq.recipes.export_attendout --checkpoint "$checkpoint" \
+        --output "$SAVE_DIR/exported.pt"
+    checkpoint=$SAVE_DIR/exported.pt
+  fi
   # the dev set(s) with the task's metrics (MNLI: matched and mismatched)
   run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_glue "$TASK" --data "$BIN" \
-      --checkpoint "$SAVE_DIR/checkpoint_best.pt" --glue-dir "$GLUE_DIR" --bpe-dir "$BPE_DIR" \
+      --checkpoint "$checkpoint" --glue-dir "$GLUE_DIR" --bpe-dir "$BPE_DIR" \
       --json "$SAVE_DIR/dev.json" "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
 }
 

@@ -344,6 +344,22 @@ def test_plain_roberta_weights_load_strictly_with_defender_equal_to_attacker(dat
             assert torch.equal(own["generator." + key], value), key
 
 
+def test_a_longer_checkpoint_loads_into_a_shorter_model(data):
+    """The paper's length 256 from roberta.base's 512 positions: the first rows are kept."""
+    task, model, _, cfg = build(data)  # --max-positions 64
+    plain_args = copy.deepcopy(cfg.model)
+    plain_args._name = "roberta"
+    plain_args.max_positions = 128
+    from fairseq import models
+
+    state = models.build_model(plain_args, task).state_dict()
+    key = "encoder.sentence_encoder.embed_positions.weight"
+    assert state[key].size(0) == 130
+    model.load_state_dict(copy.deepcopy(state), strict=True, model_cfg=cfg.model)
+    assert torch.equal(model.state_dict()[key], state[key][:66])
+    assert torch.equal(model.state_dict()["defender." + key], state[key][:66])
+
+
 def test_a_non_roberta_checkpoint_is_refused(data):
     _, model, _, cfg = build(data)
     with pytest.raises(ValueError, match="RoBERTa-format checkpoints"):

@@ -570,3 +570,54 @@ def test_metrics_agree_with_hand_computed_values():
     assert evaluate_glue.task_metrics("MNLI", ["a", "b"], ["a", "c"]) == {"accuracy": 50.0}
     with pytest.raises(ValueError):
         evaluate_glue.task_metrics("RTE", ["a"], ["a", "b"])
+
+
+# ------------------------------------------------------------------ AttendOut modes
+
+
+def test_attendout_modes_use_fairseqs_roberta_base_settings():
+    """MODE=attendout: the AttendOut config on roberta.base with fairseq's per-task lr,
+    batch and updates (its GLUE table), length 256, no KL; attendout_rdrop adds the KL with
+    the R-Drop paper's alpha; evaluate exports the attacker first."""
+    commands, proc = dry_run("glue", "all", TASK="RTE", GPUS=1, MODE="attendout")
+    train_cmd = next(c for c in commands if c[0].endswith("fairseq-hydra-train"))
+    o = overrides_of(train_cmd)
+    assert train_cmd[train_cmd.index("--config-name") + 1] == "roberta_glue_attendout"
+    assert o["optimization.max_update"] == "2036" and o["dataset.batch_size"] == "16"
+    assert o["optimization.lr"] == "[2e-05]" and o["criterion.rdrop_alpha"] == "0"
+    assert o["checkpoint.restore_file"].endswith("work/roberta.base/model.pt")
+    assert o["common.fp16"] == "true"
+    assert "/glue.RTE.attendout.seed1" in o["checkpoint.save_dir"]
+    modules = [c[2] for c in commands if len(c) > 2 and c[1] == "-m"]
+    assert modules[-2:] == ["rdrop_fairseq.recipes.export_attendout",
+                            "rdrop_fairseq.recipes.evaluate_glue"]
+    evaluate = commands[-1]
+    assert evaluate[evaluate.index("--checkpoint") + 1].endswith("exported.pt")
+    o = overrides_of(dry_run("glue", "train", TASK="CoLA", GPUS=1,
+                             MODE="attendout_rdrop")[0][-1])
+    assert o["criterion.rdrop_alpha"] == "0.5" and o["optimization.lr"] == "[1e-05]"
+    config = composed_config("roberta_glue_attendout")
+    assert config["task"]["_name"] == "sentence_prediction_attendout"
+    assert config["task"]["max_positions"] == 256 and config["task"]["shorten_method"] == "truncate"
+    assert config["task"]["attendout_interval"] == 25
+    assert config["task"]["attendout_generator_lr"] == 5e-05
+    assert config["model"]["_name"] == "roberta_attendout_base"
+    assert config["model"]["encoder_layers"] == 12 and config["optimizer"]["weight_decay"] == 0.1
+
+
+def test_attendout_mode_trains_exports_and_evaluates(glue, tmp_path):
+    save = tmp_path / "ckpt"
+    log = train(glue, "RTE", save, MODE="attendout", MAX_UPDATE=4)
+    assert "task: SentencePredictionAttendOutTask" in log
+    assert f"Loaded checkpoint {glue['roberta']}" in log
+    assert "keeping the first 258 of 514 position embeddings" in log
+    inner = stats(log, "train_inner")
+    assert len(inner) == 4 and all("defender_loss" in line for line in inner)
+    assert all("attendout_num_pruned" in v and "accuracy_unpruned" in v
+               for v in stats(log, "valid"))
+    out = script("glue", "evaluate", "--batch-size", "3", "--json", tmp_path / "m.json",
+                 TASK="rte", GPUS=0, DATA_DIR=glue["bin"], SAVE_DIR=save, MODE="attendout",
+                 GLUE_DIR=glue["glue_dir"], BPE_DIR=glue["bpe"])
+    assert "layers pruned" in out.stdout and (save / "exported.pt").is_file()
+    results = json.loads((tmp_path / "m.json").read_text())["metrics"]
+    assert results["dev"]["examples"] == len(glue["data"]["RTE"]["dev"])

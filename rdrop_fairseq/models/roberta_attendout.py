@@ -167,6 +167,14 @@ class RobertaAttendOutModel(RobertaModel):
                 "roberta_attendout loads RoBERTa-format checkpoints (keys "
                 f"'encoder.sentence_encoder.*'); this one has e.g. {example!r}. Convert BERT "
                 "weights with python -m rdrop_fairseq.recipes.convert_hf_bert")
+        positions = prefix + "encoder.sentence_encoder.embed_positions.weight"
+        rows = self.encoder.sentence_encoder.embed_positions.weight.size(0)
+        if positions in state_dict and state_dict[positions].size(0) > rows:
+            # a shorter model (the paper's length 256 from a 512-position checkpoint): the
+            # first rows are the positions it uses; the rest could never be reached
+            logger.info(f"keeping the first {rows} of {state_dict[positions].size(0)} "
+                        "position embeddings (--max-positions)")
+            state_dict[positions] = state_dict[positions][:rows].clone()
         incoming = set(state_dict)
         super().upgrade_state_dict_named(state_dict, name)
         if self.inference_only:
