@@ -21,6 +21,7 @@ BART_DIR=${BART_DIR:-work/bart.large}
 DATA_DIR=${DATA_DIR:-work/cnn_dm-bin}
 SAVE_DIR=${SAVE_DIR:-checkpoints/cnndm_bart.$MODE.seed$SEED}
 parse_stage "$@"
+make_absolute RAW BPE_DIR BART_DIR
 BIN=$DATA_DIR/bin
 detect_devices
 set_mode 0.7

@@ -53,6 +53,7 @@ ROBERTA_DIR=${ROBERTA_DIR:-work/$CHECKPOINT_NAME}
 DATA_DIR=${DATA_DIR:-work/glue-bin}
 SAVE_DIR=${SAVE_DIR:-checkpoints/glue.$TASK.$MODE.seed$SEED}
 parse_stage "$@"
+make_absolute GLUE_DIR BPE_DIR ROBERTA_DIR
 BIN=$DATA_DIR/$TASK-bin
 detect_devices
 ATTENDOUT=0

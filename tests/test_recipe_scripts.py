@@ -232,6 +232,28 @@ def test_missing_inputs_are_one_line_errors_that_make_nothing(tmp_path, name, st
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("name, env, message", [
+    ("iwslt14", {"ALPHA": "-1"}, "ALPHA must be a number >= 0"),
+    ("wmt14", {"ALPHA": "nan"}, "ALPHA must be a number >= 0"),
+    ("glue", {"ALPHA": "abc", "TASK": "RTE"}, "ALPHA must be a number >= 0"),
+    ("cnndm_bart", {"SEED": "1.5"}, "SEED must be a whole number"),
+    ("wikitext103", {"MAX_UPDATE": "0"}, "MAX_UPDATE must be a whole number >= 1"),
+    ("iwslt14", {"UPDATE_FREQ": "two"}, "UPDATE_FREQ must be a whole number >= 1"),
+    ("iwslt14", {"GPUS": "2"}, "GPUS=2 but"),  # no CUDA device on this machine
+])
+def test_bad_variables_are_one_line_errors_before_anything_is_made(tmp_path, name, env,
+                                                                   message):
+    """Checked up front, not by hydra after it made its run directory (a real run, not a
+    dry run: the data is there, nothing may be created)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    proc = script(name, "train", ok=False, DATA_DIR=data, SAVE_DIR=tmp_path / "save",
+                  PYTHON=sys.executable, **{"GPUS": "0", **env})
+    assert proc.returncode != 0
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["data"] and not any(data.iterdir())
+
+
 def test_plugin_import_loads_neither_the_recipes_nor_the_fairseq_fixes():
     code = ("import sys, rdrop_fairseq; from fairseq.ngram_repeat_block import NGramRepeatBlock;"
             "print(sorted(m for m in sys.modules if m.startswith(('rdrop_fairseq.recipes',"

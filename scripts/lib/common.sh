@@ -7,7 +7,9 @@ set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 CONFIGS=$REPO/configs
 USER_DIR=$REPO/rdrop_fairseq  # the plugin, for --user-dir
-PYTHON=${PYTHON:-python3}
+# the Python of the recipes' modules, resolved once: a dry run prints what a real run runs
+PYTHON=$(command -v "${PYTHON:-python3}" || echo "${PYTHON:-python3}")
+[[ $PYTHON != */* ]] || PYTHON=$(realpath -ms "$PYTHON")  # absolute, symlinks kept (a venv's)
 RECIPE=$(basename "$0" .sh)
 MODE=${MODE:-rdrop}
 SEED=${SEED:-1}
@@ -21,6 +23,17 @@ case ${1:-} in -h|--help) sed -n '2,/^source/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
 die() { echo "error: $*" >&2; exit 1; }
 say() { echo "[$RECIPE] $*"; }
 
+# The numeric variables, checked before anything runs or is created (not by hydra, after
+# its run directory exists): ALPHA a finite number >= 0; SEED, MAX_UPDATE, UPDATE_FREQ
+# whole numbers (the last two >= 1).
+[ -z "${ALPHA:-}" ] || [[ $ALPHA =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] ||
+  die "ALPHA must be a number >= 0 (R-Drop's KL weight), not '$ALPHA'"
+[[ $SEED =~ ^[0-9]+$ ]] || die "SEED must be a whole number, not '$SEED'"
+for var in MAX_UPDATE UPDATE_FREQ; do
+  [ -z "${!var:-}" ] || [[ ${!var} =~ ^[1-9][0-9]*$ ]] ||
+    die "$var must be a whole number >= 1, not '${!var}'"
+done
+
 # Print a command (as it could be pasted into a shell); run it unless DRY_RUN=1.
 run() {
   local line
@@ -29,10 +42,13 @@ run() {
   [ "${DRY_RUN:-0}" = 1 ] || "$@"
 }
 
-# The path of fairseq's CLI $1: in $FAIRSEQ_BIN if set, else found on PATH.
+# The path of fairseq's CLI $1: in $FAIRSEQ_BIN if set, else beside $PYTHON (the same
+# environment), else found on PATH; the dry run prints the same path as the real run.
 fairseq_cli() {
   if [ -n "${FAIRSEQ_BIN:-}" ]; then
     echo "$FAIRSEQ_BIN/$1"
+  elif [ -x "$(dirname "$PYTHON")/$1" ]; then
+    echo "$(dirname "$PYTHON")/$1"
   elif command -v "$1" >/dev/null; then
     command -v "$1"
   elif [ "${DRY_RUN:-0}" = 1 ]; then
@@ -64,6 +80,12 @@ parse_stage() {
   # absolute: fairseq-hydra-train runs in its hydra.run.dir
   DATA_DIR=$(realpath -m "$DATA_DIR")
   SAVE_DIR=$(realpath -m "$SAVE_DIR")
+}
+
+# Make the variables named $@ absolute paths (what the commands print is what they use).
+make_absolute() {
+  local var
+  for var; do printf -v "$var" '%s' "$(realpath -ms "${!var}")"; done
 }
 
 # Run the stages asked for, with the recipe's prepare / train / evaluate functions; all
@@ -107,6 +129,12 @@ detect_devices() {
     DEVICE_ARGS=(common.cpu=true distributed_training.distributed_world_size=1)
     EVAL_DEVICE=(--cpu)  # for the evaluation modules
     return
+  fi
+  if [ "${DRY_RUN:-0}" != 1 ] && ! "$PYTHON" -c "import sys, torch
+sys.exit(torch.cuda.device_count() < $GPUS)" 2>/dev/null; then
+    die "GPUS=$GPUS but $PYTHON's torch sees fewer CUDA devices" \
+        "($("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo "no torch"));" \
+        "GPUS=0 trains on the CPU"
   fi
   DEVICES=$(( GPUS * NODES ))
   EVAL_DEVICE=()
