@@ -136,6 +136,33 @@ def test_prepare_iwslt_follows_fairseqs_iwslt14_recipe(tmp_path):
     assert (out / "bin" / "test.de-en.de.bin").is_file()
 
 
+def test_prepare_iwslt_keeps_the_case_of_en_fr_for_sacrebleu(tmp_path):
+    """Pairs other than De<->En keep their case (the paper's sacreBLEU is cased), and the
+    evaluation finds the original test references in OUT/raw."""
+    import tarfile
+
+    from rdrop_fairseq.recipes.evaluate_translation import original_references
+
+    orig = tmp_path / "src" / "en-fr"
+    orig.mkdir(parents=True)
+    for lang, word in (("en", "House"), ("fr", "Maison")):
+        lines = [f"{word} Nummer {i} ." for i in range(46)]
+        (orig / f"train.tags.en-fr.{lang}").write_text("\n".join(lines) + "\n")
+        segs = f'<seg id="1"> {word}, it\u2019s New-York </seg>\n'
+        (orig / f"IWSLT14.TED.tst2010.en-fr.{lang}.xml").write_text(f"<doc>\n{segs}</doc>\n")
+    archive = tmp_path / "en-fr.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(orig, arcname="en-fr")
+    out = tmp_path / "iwslt"
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_iwslt", "--archive", archive,
+         "--src", "en", "--tgt", "fr", "--out", out, "--bpe-merges", "20"])
+    # Moses' French tokenisation, case kept
+    assert (out / "tok" / "test.fr").read_text().splitlines() == ["Maison , it' s New-York"]
+    assert (out / "tok" / "train.fr").read_text().splitlines()[0] == "Maison Nummer 0 ."
+    assert original_references(out / "bin", "test", "fr") == ["Maison, it's New-York"]
+    assert original_references(out / "bin", "valid", "fr") is None  # no original: data-bin's
+
+
 def test_average_checkpoints_is_the_mean_of_the_float_parameters(tmp_path):
     import argparse
 
