@@ -5,9 +5,9 @@ examples/translation/prepare-wmt14en2{de,fr}.sh.
 ``--google DIR`` (En-De, the way to compare with the paper): the files of Google's
 preprocessed WMT'16 En-De archive (``wmt16_en_de.tar.gz``, extracted into DIR), which the
 authors point to (dropreg/R-Drop issue #19: fairseq issue #202, the Scaling NMT recipe).
-Made by google/seq2seq's bin/data/wmt16_en_de.sh: Europarl v7, Common Crawl and News
-Commentary v11, Moses-tokenised without hyphen splitting, a joint 32k BPE; newstest2013
-as validation, newstest2014 as test. They are binarised as
+Made by (an earlier version of) google/seq2seq's bin/data/wmt16_en_de.sh: Europarl v7,
+Common Crawl and News Commentary v11, Moses-tokenised without hyphen splitting, a 32k BPE;
+newstest2013 as validation, newstest2014 as test. They are binarised as
 fairseq's examples/scaling_nmt/README.md does::
 
     fairseq-preprocess --source-lang en --target-lang de \\
