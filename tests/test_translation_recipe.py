@@ -267,7 +267,7 @@ def test_prepare_wmt14_follows_fairseqs_wmt14_recipe_end_to_end(tmp_path):
     assert "[evaluate] beam 4, lenpen 0.6" in result
 
 
-def test_prepare_wmt14_google_binarises_the_authors_wmt16_files(tmp_path):
+def test_prepare_wmt14_google_binarises_the_authors_wmt16_files(tmp_path, capsys):
     """GOOGLE=DIR: Google's WMT'16 En-De files (already tokenised and BPE'd) binarised as
     fairseq's Scaling NMT recipe: joined dictionary, newstest2013 valid, newstest2014 test."""
     from fairseq.data import Dictionary, data_utils
@@ -293,6 +293,15 @@ def test_prepare_wmt14_google_binarises_the_authors_wmt16_files(tmp_path):
         expected = [p[1] for p in text[f"{prefix}.tok.bpe.32000"]]
         assert [dictionary.string(data[i]) for i in range(len(data))] == expected
 
+    from rdrop_fairseq.recipes import prepare_wmt14
+
+    with pytest.raises(SystemExit):  # the files are BPE'd already: no --bpe-merges
+        prepare_wmt14.main(["--google", str(google), "--out", str(tmp_path / "x"),
+                            "--bpe-merges", "100"])
+    assert "--bpe-merges apply to the official archives" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        prepare_wmt14.main(["--google", str(google), "--pair", "en-fr", "--out", str(tmp_path)])
+    assert "--google is Google's WMT'16 En-De: --pair en-de" in capsys.readouterr().err
     (google / "newstest2013.tok.bpe.32000.de").unlink()
     proc = script("wmt14", "prepare", ok=False, GOOGLE=google, DATA_DIR=tmp_path / "again")
     assert "lacks newstest2013.tok.bpe.32000.de" in proc.stderr, proc.stderr

@@ -186,14 +186,16 @@ def main(argv=None):
                       help="directory with the official archives (downloaded into it if missing)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--icml17", action="store_true", help="En-De with news-commentary v9")
-    p.add_argument("--bpe-merges", type=int, default=32000)
+    p.add_argument("--bpe-merges", type=int, help="default: 32000 (not with --google, "
+                                                        "whose files are BPE'd already)")
     p.add_argument("--workers", type=int, default=8)
     a = p.parse_args(argv)
     if a.google:
         if a.pair != "en-de":
             p.error("--google is Google's WMT'16 En-De: --pair en-de")
-        if a.icml17:
-            p.error("--icml17 selects official archives: give --orig, not --google")
+        if a.icml17 or a.bpe_merges is not None:
+            p.error("--icml17 and --bpe-merges apply to the official archives (--orig); "
+                    "--google's files are tokenised and BPE'd already")
         with made_or_removed(a.out):
             binarize_google(a.google, a.out, a.workers)
         return
@@ -209,7 +211,8 @@ def main(argv=None):
                         "--normalize-punct", "--aggressive-dash", "--clean-after-bpe",
                         "--max-len", "250", "--max-ratio", "1.5",
                         "--valid-from-train", str(spec["valid_every"]),
-                        "--bpe-merges", str(a.bpe_merges), "--workers", str(a.workers)], check=True)
+                        "--bpe-merges", str(a.bpe_merges or 32000), "--workers", str(a.workers)],
+                       check=True)
 
 
 if __name__ == "__main__":
