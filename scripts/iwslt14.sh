@@ -39,8 +39,8 @@ prepare() {
           "(a .tgz path or URL)"
     archive=http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz  # fairseq's mirror
   fi
-  # Moses tokenisation, lower-casing, joint BPE (10k merges), fairseq-preprocess (En-Zh:
-  # sentencepiece, separate dictionaries)
+  # Moses tokenisation, lower-casing (De<->En only), joint BPE (10k merges),
+  # fairseq-preprocess (En-Zh: sentencepiece, separate dictionaries)
   run "$PYTHON" -m rdrop_fairseq.recipes.prepare_iwslt --archive "$archive" \
       --src "$SRC" --tgt "$TGT" --out "$DATA_DIR" "${EXTRA[@]}"
 }
@@ -69,11 +69,16 @@ train() {
 
 evaluate() {
   need "$SAVE_DIR/checkpoint_best.pt" "train first: bash scripts/iwslt14.sh train"
-  # as the authors: checkpoint_best.pt, fairseq-generate --beam 5 --lenpen 1 --remove-bpe,
-  # tokenized BLEU (De<->En, with compound splitting as their script), sacreBLEU beside it
+  # as the authors' run_inference.sh: checkpoint_best.pt, fairseq-generate --beam 5
+  # --remove-bpe (lenpen 1), De<->En scored as their compound_split_bleu.sh (tokenized BLEU
+  # with compound splitting: the headline); the other pairs with sacreBLEU against the
+  # original references in DATA_DIR/raw (case-sensitive; De<->En data is lower-cased, so
+  # its sacreBLEU beside the headline is case-insensitive)
+  local case=()
+  [ "$SRC-$TGT" != de-en ] && [ "$SRC-$TGT" != en-de ] || case=(--lowercase)
   run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_translation iwslt --data "$BIN" \
       --src "$SRC" --tgt "$TGT" --checkpoint "$SAVE_DIR/checkpoint_best.pt" \
-      "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
+      "${case[@]}" "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
 }
 
 run_stages

@@ -58,11 +58,18 @@ train() {
 
 evaluate() {
   need "$SAVE_DIR/checkpoint_best.pt" "train first: bash scripts/wikitext103.sh train"
-  # as the authors: fairseq-eval-lm on checkpoint_best.pt, --batch-size 2
-  # --tokens-per-sample 512 --context-window 400; test perplexity
-  run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_lm --data "$BIN" \
-      --checkpoint "$SAVE_DIR/checkpoint_best.pt" --json "$SAVE_DIR/test_ppl.json" \
-      "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
+  # test perplexity of checkpoint_best.pt with fairseq-eval-lm. The authors' protocol
+  # (their evaluate_lm_wiki103.sh: --batch-size 2 --tokens-per-sample 512 --context-window
+  # 400) for both models; for ARCH=adaptive the model's standard protocol first (3072-token
+  # blocks, 2560 tokens of context: the headline, test_ppl.json), the authors' beside it
+  local protocols=(authors) json=test_ppl.json
+  [ "$ARCH" = gpt ] || protocols=(adaptive authors)
+  for protocol in "${protocols[@]}"; do
+    run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_lm --protocol "$protocol" --data "$BIN" \
+        --checkpoint "$SAVE_DIR/checkpoint_best.pt" --json "$SAVE_DIR/$json" \
+        "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
+    json=test_ppl.${protocols[-1]}.json  # the second protocol's, beside the headline
+  done
 }
 
 run_stages

@@ -3,15 +3,18 @@
 # transformer_vaswani_wmt_en_de_big, alpha 5, 8 GPUs x 4096 tokens x update-freq 16.
 #
 #   bash scripts/wmt14.sh [prepare|train|evaluate|all] [extra arguments]
+#   GOOGLE=wmt16_en_de_bpe32k bash scripts/wmt14.sh    # En-De on the authors' data
 #   PAIR=en-fr bash scripts/wmt14.sh prepare
 #   GPUS=4 DRY_RUN=1 bash scripts/wmt14.sh train     # fp16, update-freq 32: print only
 #
-# Environment: PAIR (en-de or en-fr; default en-de), ORIG (where the official archives are,
-# or are downloaded to; default wmt14-orig beside DATA_DIR, shared by both pairs),
-# DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, SEED, GPUS, CPU,
-# BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, AVERAGE
-# (epoch checkpoints averaged before the test; 0: checkpoint_best.pt), FAIRSEQ_BIN, PYTHON,
-# DRY_RUN (docs/translation.md).
+# Environment: PAIR (en-de or en-fr; default en-de), GOOGLE (En-De: the folder Google's
+# preprocessed WMT'16 En-De, wmt16_en_de.tar.gz, was extracted in: the authors' data; set it
+# for every stage), ORIG (without GOOGLE: where the official archives are, or are downloaded
+# to; default wmt14-orig beside DATA_DIR, shared by both pairs), DATA_DIR, SAVE_DIR, MODE
+# (rdrop, baseline, no-kl, doubled-batch), ALPHA, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ,
+# MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, AVERAGE (default 0: test
+# checkpoint_best.pt, as the authors; N: the average of the last N epoch checkpoints, as
+# fairseq's Scaling NMT recipe with 10), FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
 # of the Python module).
 source "$(dirname "$0")/lib/common.sh"
@@ -22,15 +25,29 @@ case $PAIR in
   *) die "PAIR must be en-de or en-fr (the paper's WMT14 directions), not '$PAIR'" ;;
 esac
 SRC=${PAIR%-*} TGT=${PAIR#*-}
-DATA_DIR=${DATA_DIR:-work/wmt14.$PAIR}
-SAVE_DIR=${SAVE_DIR:-checkpoints/wmt14.$PAIR.$MODE.seed$SEED}
-AVERAGE=${AVERAGE:-10}  # the authors' script: the last 10 epoch checkpoints
+DATA_NAME=wmt14.$PAIR
+if [ -n "${GOOGLE:-}" ]; then
+  [ "$PAIR" = en-de ] || die "GOOGLE is Google's WMT'16 En-De: PAIR=en-de, not $PAIR"
+  DATA_NAME=wmt16-google.en-de
+fi
+DATA_DIR=${DATA_DIR:-work/$DATA_NAME}
+SAVE_DIR=${SAVE_DIR:-checkpoints/$DATA_NAME.$MODE.seed$SEED}
+AVERAGE=${AVERAGE:-0}  # 0: checkpoint_best.pt
+[[ $AVERAGE =~ ^[0-9]+$ ]] || die "AVERAGE must be a number of epoch checkpoints (0: none)," \
+                                  "not '$AVERAGE'"
 parse_stage "$@"
 BIN=$DATA_DIR/bin
 detect_devices
 set_mode 5
 
 prepare() {
+  if [ -n "${GOOGLE:-}" ]; then
+    # the authors' data: Google's WMT'16 En-De binarised as fairseq's Scaling NMT recipe
+    need "$GOOGLE" "GOOGLE must be the folder wmt16_en_de.tar.gz was extracted in"
+    run "$PYTHON" -m rdrop_fairseq.recipes.prepare_wmt14 --google "$GOOGLE" \
+        --out "$DATA_DIR" "${EXTRA[@]}"
+    return
+  fi
   # fairseq's prepare-wmt14en2{de,fr}.sh in Python: Moses normalisation and tokenisation
   # (aggressive hyphen splitting), ~32k joint BPE, newstest2014 as the test set
   run "$PYTHON" -m rdrop_fairseq.recipes.prepare_wmt14 --pair "$PAIR" \
@@ -52,15 +69,17 @@ train() {
 evaluate() {
   local checkpoint=$SAVE_DIR/checkpoint_best.pt
   if [ "$AVERAGE" -gt 0 ]; then
-    # as the authors: the average of the last epoch checkpoints
+    # the average of the last epoch checkpoints (fairseq's Scaling NMT recipe: 10)
     checkpoint=$SAVE_DIR/checkpoint.avg$AVERAGE.pt
     need "$SAVE_DIR" "train first: PAIR=$PAIR bash scripts/wmt14.sh train"
     run "$PYTHON" -m rdrop_fairseq.recipes.average_checkpoints --inputs "$SAVE_DIR" \
         --num-epoch-checkpoints "$AVERAGE" --output "$checkpoint"
   fi
   need "$checkpoint" "train first: PAIR=$PAIR bash scripts/wmt14.sh train"
-  # fairseq-generate --beam 4 --lenpen 0.6 --remove-bpe; tokenized BLEU (En->De with
-  # compound splitting, as fairseq's compound_split_bleu.sh) and sacreBLEU beside it
+  # fairseq-generate --remove-bpe, En->De beam 4 / lenpen 0.6 (the paper; the authors in
+  # their issue #19), En->Fr beam 5 / lenpen 1.0 (the paper's setting for the other tasks);
+  # tokenized BLEU (En->De with compound splitting, fairseq's compound_split_bleu.sh), the
+  # other BLEUs of the same output beside it
   run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_translation wmt14 --data "$BIN" \
       --src "$SRC" --tgt "$TGT" --checkpoint "$checkpoint" "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
 }

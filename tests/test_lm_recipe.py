@@ -153,6 +153,9 @@ def test_recipe_trains_with_rdrop_and_evaluates(wikitext, tmp_path, recipe):
     assert result["perplexity"] == ppl and result["context_window"] == 16
     # every test token scored once: each word plus one end-of-line per line
     assert result["tokens"] == sum(len(line.split()) + 1 for line in wikitext["corpus"]["test"])
+    # the adaptive-input model: its standard protocol is the headline, the authors' beside it
+    assert result["protocol"] == {"gpt": "authors", "wiki103": "adaptive"}[recipe]
+    assert (save / "test_ppl.authors.json").is_file() == (recipe == "wiki103")
 
 
 @pytest.mark.parametrize("recipe", ["gpt", "wiki103"])
@@ -282,6 +285,43 @@ def test_evaluate_reads_fairseqs_summary_and_refuses_anything_else():
         evaluate_lm.read_result(0, "Loss (base 2): nan, Perplexity: nan\n")
     with pytest.raises(SystemExit, match="fairseq-eval-lm failed .exit code 1"):
         evaluate_lm.read_result(1, out)
+
+
+def test_evaluate_protocols_are_the_authors_and_the_adaptive_input_standard(wikitext, tmp_path):
+    checkpoint = tmp_path / "model.pt"
+    checkpoint.write_bytes(b"")
+
+    def command(*args):
+        a = evaluate_lm.parse_args(["--data", str(wikitext["bin"]), "--checkpoint",
+                                    str(checkpoint), *args])
+        cmd = evaluate_lm.eval_lm_command(a)
+        return {opt: cmd[i + 1] for i, opt in enumerate(cmd) if opt.startswith("--")
+                and i + 1 < len(cmd) and not cmd[i + 1].startswith("--")}
+
+    # the authors' evaluate_lm_wiki103.sh (= fairseq's language_model README)
+    authors = command()
+    assert (authors["--tokens-per-sample"], authors["--context-window"],
+            authors["--batch-size"]) == ("512", "400", "2")
+    assert "--max-tokens" not in authors and "--sample-break-mode" not in authors
+    # the adaptive-input model's (fairseq's quant_noise README)
+    adaptive = command("--protocol", "adaptive")
+    assert {k: adaptive[k] for k in ("--tokens-per-sample", "--context-window", "--max-tokens",
+                                     "--sample-break-mode", "--softmax-batch")} == {
+        "--tokens-per-sample": "3072", "--context-window": "2560", "--max-tokens": "3072",
+        "--sample-break-mode": "complete", "--softmax-batch": "1024"}
+    assert "--batch-size" not in adaptive
+    assert command("--protocol", "adaptive", "--context-window", "0")["--context-window"] == "0"
+    with pytest.raises(SystemExit):
+        command("--context-window", "512")  # must be below --tokens-per-sample
+
+
+def test_evaluate_stage_reports_both_protocols_for_adaptive_input(tmp_path):
+    for arch, protocols in (("gpt", ["authors"]), ("adaptive", ["adaptive", "authors"])):
+        commands, _ = dry_run("wikitext103", "evaluate", ARCH=arch, GPUS=0,
+                              SAVE_DIR=tmp_path / arch)
+        assert [c[c.index("--protocol") + 1] for c in commands] == protocols
+        jsons = [Path(c[c.index("--json") + 1]).name for c in commands]
+        assert jsons == ["test_ppl.json", "test_ppl.authors.json"][:len(protocols)]
 
 
 def test_evaluate_exits_non_zero_when_the_output_has_no_perplexity(wikitext, tmp_path):

@@ -157,7 +157,6 @@ def test_every_stage_of_every_recipe_prints_its_commands():
         ("iwslt14", ()): ["rdrop_fairseq.recipes.prepare_iwslt", "fairseq-hydra-train",
                           "rdrop_fairseq.recipes.evaluate_translation"],
         ("wmt14", ()): ["rdrop_fairseq.recipes.prepare_wmt14", "fairseq-hydra-train",
-                        "rdrop_fairseq.recipes.average_checkpoints",
                         "rdrop_fairseq.recipes.evaluate_translation"],
         ("cnndm_bart", ()): ["rdrop_fairseq.recipes.prepare_cnndm", "rdrop_fairseq.fairseq_fixes",
                              "rdrop_fairseq.recipes.evaluate_summarization"],
@@ -170,13 +169,35 @@ def test_every_stage_of_every_recipe_prints_its_commands():
         commands, proc = dry_run(name, GPUS=1, **dict([env] if env else []))
         ran = [c[2] if c[1:2] == ["-m"] else c[0].rsplit("/", 1)[-1] for c in commands]
         assert ran == programs, proc.stdout
-    # evaluation as the authors: WMT averages the last 10 epoch checkpoints, IWSLT does not
-    commands, _ = dry_run("wmt14", "evaluate", GPUS=1)
+    # evaluation as the authors: checkpoint_best.pt; AVERAGE=10 averages the last 10 epoch
+    # checkpoints first (fairseq's Scaling NMT recipe)
+    for name in ("wmt14", "iwslt14"):
+        (command,), _ = dry_run(name, "evaluate", GPUS=0)
+        assert command[command.index("--checkpoint") + 1].endswith("/checkpoint_best.pt")
+        assert command[-1] == "--cpu"
+    commands, _ = dry_run("wmt14", "evaluate", GPUS=1, AVERAGE=10)
     assert commands[0][commands[0].index("--num-epoch-checkpoints") + 1] == "10"
     assert commands[1][commands[1].index("--checkpoint") + 1].endswith("checkpoint.avg10.pt")
-    commands, _ = dry_run("iwslt14", "evaluate", GPUS=0)
-    assert commands[0][-3:] == ["--checkpoint", commands[0][-2], "--cpu"]
-    assert commands[0][-2].endswith("checkpoint_best.pt")
+    _, proc = dry_run("wmt14", "evaluate", ok=False, AVERAGE="last")
+    assert proc.returncode != 0 and "AVERAGE must be a number" in proc.stderr
+
+
+def test_wmt14_google_data_is_the_authors_en_de():
+    (command,), _ = dry_run("wmt14", "prepare", GOOGLE="/data/wmt16_en_de_bpe32k")
+    assert command[command.index("--google") + 1] == "/data/wmt16_en_de_bpe32k"
+    assert command[command.index("--out") + 1].endswith("/work/wmt16-google.en-de")
+    o, _, _ = train_command("wmt14", GPUS=8, GOOGLE="/data/wmt16_en_de_bpe32k")
+    assert o["task.data"].endswith("/work/wmt16-google.en-de/bin")
+    assert "/checkpoints/wmt16-google.en-de.rdrop.seed1" in o["checkpoint.save_dir"]
+    _, proc = dry_run("wmt14", "prepare", ok=False, PAIR="en-fr", GOOGLE="/data/x")
+    assert proc.returncode != 0 and "GOOGLE is Google's WMT'16 En-De" in proc.stderr
+
+
+def test_iwslt_sacrebleu_is_cased_except_for_the_lower_cased_de_en_data():
+    for (src, tgt), lowercase in ((("de", "en"), True), (("en", "de"), True),
+                                  (("en", "fr"), False), (("es", "en"), False)):
+        (command,), _ = dry_run("iwslt14", "evaluate", GPUS=0, SRC=src, TGT=tgt)
+        assert ("--lowercase" in command) == lowercase, command
 
 
 # ------------------------------------------------------------------ GLUE: sentences, one GPU

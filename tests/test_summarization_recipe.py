@@ -259,15 +259,18 @@ def test_evaluate_summarises_every_test_article_and_scores_rouge(finetuned, reci
     assert result["rouge1"] == pytest.approx(evaluate_summarization.rouge(hyps, targets)["rouge1"],
                                              abs=1e-3)
 
-    assert result["stemmed"] is False and "not stemmed;" in out  # files2rouge's default
+    assert result["stemmed"] is True and ", stemmed;" in out  # files2rouge's default
 
     # --score-only scores the written hypotheses again, without the model
     score = [sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_summarization", "--score-only",
              "--out", hypo, "--target", recipe["root"] / "cnn_dm" / "test.target"]
     assert m[0] in run(score).stdout
-    stemmed = run(score + ["--stemmer", "--json", tmp_path / "stemmed.json"]).stdout
-    assert ", stemmed;" in stemmed
-    assert json.loads((tmp_path / "stemmed.json").read_text())["stemmed"] is True
+    unstemmed = run(score + ["--no-stemmer", "--json", tmp_path / "unstemmed.json"]).stdout
+    assert "not stemmed;" in unstemmed
+    unstemmed = json.loads((tmp_path / "unstemmed.json").read_text())
+    assert unstemmed["stemmed"] is False
+    assert unstemmed["rouge1"] == pytest.approx(
+        evaluate_summarization.rouge(hyps, targets, stem=False)["rouge1"], abs=1e-3)
 
 
 def test_prepend_bos_data_is_what_the_hub_interface_feeds_the_model(finetuned, recipe,
@@ -314,9 +317,9 @@ def test_rouge_follows_files2rouge_with_summary_level_rouge_l():
         dict.fromkeys(evaluate_summarization.ROUGE_KEYS, 0.0))
     assert rouge(["The cat sits on the mats."], ["The cats sat on the mat."])["rouge1"] > rouge(
         ["The dog ran off the rug."], ["The cats sat on the mat."])["rouge1"]
-    # files2rouge's default: no stemming; with it (ROUGE-1.5.5's -m), cats/cat, running/run
-    assert rouge(["the cat run"], ["the cats running"])["rouge1"] < 50
-    assert rouge(["the cat run"], ["the cats running"], stem=True)["rouge1"] == pytest.approx(100)
+    # files2rouge's default: Porter stemming (ROUGE-1.5.5's -m): cats/cat, running/run match
+    assert rouge(["the cat run"], ["the cats running"])["rouge1"] == pytest.approx(100)
+    assert rouge(["the cat run"], ["the cats running"], stem=False)["rouge1"] < 50
     # summary-level ROUGE-L (rougeLsum) takes the LCS per reference sentence, so sentences in
     # another order still match; sentence-level rougeL does not
     swapped = rouge(["Dogs ran in the park. The cats sat on the mat."], ref)

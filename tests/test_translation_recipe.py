@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from experiments.toy_data import write_corpus
-from rdrop_fairseq.recipes.evaluate_translation import metric_for
+from rdrop_fairseq.recipes.evaluate_translation import decoding_for, metric_for, score
 from tests.recipe_helpers import script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,18 +28,41 @@ def run(cmd, **kw):
     return proc.stdout
 
 
-def test_paper_metrics_per_recipe_and_pair():
-    assert metric_for("iwslt", "de", "en") == "tokenized"
-    assert metric_for("iwslt", "en", "de") == "tokenized"
+def test_paper_metrics_and_decoding_per_recipe_and_pair():
+    # De<->En as the authors' compound_split_bleu.sh (IWSLT: run_inference.sh; WMT: issue #19)
+    assert metric_for("iwslt", "de", "en") == "tokenized+compound"
+    assert metric_for("iwslt", "en", "de") == "tokenized+compound"
     assert metric_for("iwslt", "en", "fr") == "sacrebleu"
     assert metric_for("wmt14", "en", "de") == "tokenized+compound"
     assert metric_for("wmt14", "en", "fr") == "tokenized"
+    # beam 4 / lenpen 0.6 for WMT14 En->De only
+    assert decoding_for("wmt14", "de") == {"beam": 4, "lenpen": 0.6}
+    for recipe, tgt in (("wmt14", "fr"), ("iwslt", "en"), ("iwslt", "de"), ("iwslt", "fr")):
+        assert decoding_for(recipe, tgt) == {"beam": 5, "lenpen": 1.0}
 
 
 def test_sentencepiece_data_is_scored_with_sacrebleu(tmp_path):
-    assert metric_for("iwslt", "de", "en", tmp_path) == "tokenized"
+    assert metric_for("iwslt", "de", "en", tmp_path) == "tokenized+compound"
     (tmp_path / "spm.en.model").write_bytes(b"")
     assert metric_for("iwslt", "de", "en", tmp_path) == "sacrebleu"
+
+
+def test_sacrebleu_scores_detokenised_output_against_the_original_references():
+    hyps = ["C' est la maison verte , n' est @-@ ce pas ?", "Un chat ."]
+    data_bin_refs = ["c' est la maison verte , n' est @-@ ce pas ?", "un chat ."]
+    originals = ["C'est la maison verte, n'est-ce pas ?", "Un chat."]
+    line, bleu = score("sacrebleu", hyps, data_bin_refs, "fr", original_refs=originals)
+    assert bleu == pytest.approx(100) and "case:mixed" in line
+    assert "(original references)" in line
+    # the same output lower-cased: case-sensitive against the originals it loses, unless
+    # --lowercase (for lower-cased data)
+    lower = [h.lower() for h in hyps]
+    assert score("sacrebleu", lower, data_bin_refs, "fr", original_refs=originals)[1] < 90
+    line, bleu = score("sacrebleu", lower, data_bin_refs, "fr", original_refs=originals,
+                       lowercase=True)
+    assert bleu == pytest.approx(100) and "case:lc" in line
+    with pytest.raises(SystemExit, match="1 original references for 2 translations"):
+        score("sacrebleu", hyps, data_bin_refs, "fr", original_refs=originals[:1])
 
 
 def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
@@ -67,7 +90,8 @@ def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
     out = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_translation", "iwslt",
                "--data", prep / "bin", "--checkpoint", avg, "--src", "de", "--tgt", "en",
                "--cpu", "--out", tmp_path / "gen.txt"])
-    m = re.search(r"test: (\d+) sentences, tokenized BLEU \(tokenized\) = ([\d.]+)", out)
+    m = re.search(r"test: (\d+) sentences, tokenized BLEU \(tokenized\+compound\) = "
+                  r"([\d.]+)", out)
     assert m and int(m[1]) == 20 and 0 <= float(m[2]) <= 100, out
     assert len(re.findall(r"^H-\d+", (tmp_path / "gen.txt").read_text(), re.M)) == 20
 
@@ -110,6 +134,33 @@ def test_prepare_iwslt_follows_fairseqs_iwslt14_recipe(tmp_path):
     assert valid == ["house nummer 20 .", "house nummer 43 ."]  # lines 23 and 46 (awk NR%23)
     assert len(train_tok) == 46 and not set(valid) & set(train_tok)
     assert (out / "bin" / "test.de-en.de.bin").is_file()
+
+
+def test_prepare_iwslt_keeps_the_case_of_en_fr_for_sacrebleu(tmp_path):
+    """Pairs other than De<->En keep their case (the paper's sacreBLEU is cased), and the
+    evaluation finds the original test references in OUT/raw."""
+    import tarfile
+
+    from rdrop_fairseq.recipes.evaluate_translation import original_references
+
+    orig = tmp_path / "src" / "en-fr"
+    orig.mkdir(parents=True)
+    for lang, word in (("en", "House"), ("fr", "Maison")):
+        lines = [f"{word} Nummer {i} ." for i in range(46)]
+        (orig / f"train.tags.en-fr.{lang}").write_text("\n".join(lines) + "\n")
+        segs = f'<seg id="1"> {word}, it\u2019s New-York </seg>\n'
+        (orig / f"IWSLT14.TED.tst2010.en-fr.{lang}.xml").write_text(f"<doc>\n{segs}</doc>\n")
+    archive = tmp_path / "en-fr.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(orig, arcname="en-fr")
+    out = tmp_path / "iwslt"
+    run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_iwslt", "--archive", archive,
+         "--src", "en", "--tgt", "fr", "--out", out, "--bpe-merges", "20"])
+    # Moses' French tokenisation, case kept
+    assert (out / "tok" / "test.fr").read_text().splitlines() == ["Maison , it' s New-York"]
+    assert (out / "tok" / "train.fr").read_text().splitlines()[0] == "Maison Nummer 0 ."
+    assert original_references(out / "bin", "test", "fr") == ["Maison, it's New-York"]
+    assert original_references(out / "bin", "valid", "fr") is None  # no original: data-bin's
 
 
 def test_average_checkpoints_is_the_mean_of_the_float_parameters(tmp_path):
@@ -208,12 +259,53 @@ def test_prepare_wmt14_follows_fairseqs_wmt14_recipe_end_to_end(tmp_path):
     env = dict(GPUS=0, DATA_DIR=out, SAVE_DIR=save, MAX_TOKENS=4096, UPDATE_FREQ=1)
     script("wmt14", "train", *TINY_MODEL, "optimization.max_update=4",
            "dataset.required_batch_size_multiple=1", **env)  # valid holds one pair
-    # as the authors: the average of the last epoch checkpoints (here 2), beam 4, lenpen 0.6
+    # AVERAGE: the average of the last epoch checkpoints (here 2); beam 4, lenpen 0.6
     result = script("wmt14", "evaluate", "--out", tmp_path / "gen.txt", AVERAGE=2, **env).output
     assert re.search(r"averaged 2 checkpoints \(checkpoint\d\.pt, checkpoint\d\.pt\)", result)
     m = re.search(r"test: 2 sentences, tokenized BLEU \(tokenized\+compound\) = ([\d.]+)", result)
     assert m and 0 <= float(m[1]) <= 100, result
     assert "[evaluate] beam 4, lenpen 0.6" in result
+
+
+def test_prepare_wmt14_google_binarises_the_authors_wmt16_files(tmp_path, capsys):
+    """GOOGLE=DIR: Google's WMT'16 En-De files (already tokenised and BPE'd) binarised as
+    fairseq's Scaling NMT recipe: joined dictionary, newstest2013 valid, newstest2014 test."""
+    from fairseq.data import Dictionary, data_utils
+
+    google = tmp_path / "wmt16_en_de_bpe32k"
+    google.mkdir()
+    text = {"train.tok.clean.bpe.32000": [("the well-known house .", "das alt@@ bekannte Haus ."),
+                                          ("a car", "ein Auto")] * 5,
+            "newstest2013.tok.bpe.32000": [("the car .", "das Auto .")],
+            "newstest2014.tok.bpe.32000": [("a house", "ein Haus"), ("the car", "das Auto")]}
+    for prefix, pairs in text.items():
+        for side, lang in enumerate(("en", "de")):
+            (google / f"{prefix}.{lang}").write_text("".join(p[side] + "\n" for p in pairs))
+    (google / "vocab.bpe.32000").write_text("the\n")  # in the archive, not used
+    out = tmp_path / "data"
+    script("wmt14", "prepare", GOOGLE=google, DATA_DIR=out)
+    en, de = ((out / "bin" / f"dict.{lang}.txt").read_text() for lang in ("en", "de"))
+    assert en == de and "Haus 5" in en and "house 5" in de  # one joined dictionary (train)
+    dictionary = Dictionary.load(str(out / "bin" / "dict.de.txt"))
+    for split, prefix in (("valid", "newstest2013"), ("test", "newstest2014")):
+        data = data_utils.load_indexed_dataset(str(out / "bin" / f"{split}.en-de.de"),
+                                               dictionary)
+        expected = [p[1] for p in text[f"{prefix}.tok.bpe.32000"]]
+        assert [dictionary.string(data[i]) for i in range(len(data))] == expected
+
+    from rdrop_fairseq.recipes import prepare_wmt14
+
+    with pytest.raises(SystemExit):  # the files are BPE'd already: no --bpe-merges
+        prepare_wmt14.main(["--google", str(google), "--out", str(tmp_path / "x"),
+                            "--bpe-merges", "100"])
+    assert "--bpe-merges apply to the official archives" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        prepare_wmt14.main(["--google", str(google), "--pair", "en-fr", "--out", str(tmp_path)])
+    assert "--google is Google's WMT'16 En-De: --pair en-de" in capsys.readouterr().err
+    (google / "newstest2013.tok.bpe.32000.de").unlink()
+    proc = script("wmt14", "prepare", ok=False, GOOGLE=google, DATA_DIR=tmp_path / "again")
+    assert "lacks newstest2013.tok.bpe.32000.de" in proc.stderr, proc.stderr
+    assert not (tmp_path / "again").exists()
 
 
 def _tok_en(line):

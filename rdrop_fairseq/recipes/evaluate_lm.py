@@ -1,15 +1,29 @@
 #!/usr/bin/env python
 """Perplexity of a language-model checkpoint with fairseq-eval-lm, as the paper reports it.
 
-The paper's evaluation (the authors' evaluate_lm_wiki103.sh, for both recipes, which is
-fairseq's examples/language_model README): ``fairseq-eval-lm --batch-size 2
---tokens-per-sample 512 --context-window 400``: the text is scored in blocks of 112 tokens,
-each token seeing at least 400 tokens of context (the README explains the trade-off:
-``--context-window 0`` scores independent 512-token blocks, a higher perplexity; 511 the
-most context, slowest). Both are options here.
+Two protocols (``--protocol``):
+
+* ``authors`` (default): the authors' evaluate_lm_wiki103.sh, their one evaluation script
+  for both models, which is fairseq's examples/language_model README command:
+  ``fairseq-eval-lm --batch-size 2 --tokens-per-sample 512 --context-window 400``: the text
+  is scored in blocks of 112 tokens, each token seeing at least 400 tokens of context (the
+  README explains the trade-off: ``--context-window 0`` scores independent 512-token blocks,
+  a higher perplexity; 511 the most context, slowest). The protocol for transformer_lm_gpt,
+  which sees at most 512 positions.
+* ``adaptive``: the standard protocol of the adaptive-input model (transformer_lm_wiki103,
+  trained on 3072-token blocks), as fairseq's examples/quant_noise README evaluates it:
+  ``--sample-break-mode complete --max-tokens 3072 --tokens-per-sample 3072
+  --context-window 2560 --softmax-batch 1024``: blocks of whole lines up to 3072 tokens,
+  each scored token seeing up to 2560 tokens of context. The published adaptive-input
+  perplexities use it; scripts/wikitext103.sh reports it first for ARCH=adaptive, the
+  authors' protocol beside it.
+
+``--tokens-per-sample``, ``--context-window``, ``--batch-size`` and ``--max-tokens``
+override the protocol's values.
 
     python -m rdrop_fairseq.recipes.evaluate_lm --data work/wikitext-103/bin \\
         --checkpoint checkpoints/wt103-gpt-rdrop/checkpoint_best.pt [--subset valid]
+    python -m rdrop_fairseq.recipes.evaluate_lm --protocol adaptive --data ... --checkpoint ...
     # anything after -- is passed to fairseq-eval-lm, e.g. -- --softmax-batch 1024
 
 Prints ``SUBSET: perplexity P, loss L bits/token (N nats), T tokens`` and exits non-zero,
@@ -28,9 +42,13 @@ from pathlib import Path
 
 from .common import ArgumentParser, PLUGIN, fairseq_cli
 
-TOKENS_PER_SAMPLE = 512
-CONTEXT_WINDOW = 400
-BATCH_SIZE = 2
+# fairseq-eval-lm's settings per protocol; None: not passed
+PROTOCOLS = {
+    "authors": {"tokens_per_sample": 512, "context_window": 400, "batch_size": 2,
+                "max_tokens": None, "sample_break_mode": None, "softmax_batch": None},
+    "adaptive": {"tokens_per_sample": 3072, "context_window": 2560, "batch_size": None,
+                 "max_tokens": 3072, "sample_break_mode": "complete", "softmax_batch": 1024},
+}
 
 _NUMBER = r"(-?(?:[\d.]+|nan|inf))"
 _SUMMARY = re.compile(r"Loss \(base 2\): " + _NUMBER + r", Perplexity: " + _NUMBER)
@@ -58,10 +76,11 @@ def eval_lm_command(a):
     cmd = [fairseq_cli("fairseq-eval-lm"), str(a.data),
            "--user-dir", str(PLUGIN), "--path", str(a.checkpoint),
            "--gen-subset", a.subset, "--tokens-per-sample", str(a.tokens_per_sample),
-           "--context-window", str(a.context_window), "--batch-size", str(a.batch_size),
+           "--context-window", str(a.context_window),
            "--num-workers", "0", "--log-format", "simple", "--no-progress-bar"]
-    if a.max_tokens:
-        cmd += ["--max-tokens", str(a.max_tokens)]
+    for option in ("batch_size", "max_tokens", "sample_break_mode", "softmax_batch"):
+        if getattr(a, option) is not None:
+            cmd += ["--" + option.replace("_", "-"), str(getattr(a, option))]
     if a.cpu:
         cmd.append("--cpu")
     if a.fp16:
@@ -88,12 +107,12 @@ def parse_args(argv):
     p.add_argument("--data", default=os.environ.get("DATA"), help="the data-bin")
     p.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT"))
     p.add_argument("--subset", default="test", help="test (default) or valid")
-    p.add_argument("--tokens-per-sample", type=int, default=TOKENS_PER_SAMPLE,
-                   help="default: %(default)s")
-    p.add_argument("--context-window", type=int, default=CONTEXT_WINDOW,
-                   help="default: %(default)s")
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="default: %(default)s")
-    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--protocol", choices=sorted(PROTOCOLS), default="authors",
+                   help="authors: 512/400 (default); adaptive: 3072/2560")
+    p.add_argument("--tokens-per-sample", type=int, help="default: the protocol's")
+    p.add_argument("--context-window", type=int, help="default: the protocol's")
+    p.add_argument("--batch-size", type=int, help="default: the protocol's")
+    p.add_argument("--max-tokens", type=int, help="default: the protocol's")
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--json", help="also write the results to this file")
@@ -102,6 +121,10 @@ def parse_args(argv):
         argv, extra = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     a = p.parse_args(argv)
     a.extra = extra
+    a.sample_break_mode = a.softmax_batch = None
+    for option, value in PROTOCOLS[a.protocol].items():
+        if getattr(a, option) is None:
+            setattr(a, option, value)
     if not a.data or not a.checkpoint:
         p.error("--data and --checkpoint (or $DATA and $CHECKPOINT) are required")
     if not (Path(a.data) / "dict.txt").is_file():
@@ -135,13 +158,14 @@ def main(argv=None):
     cmd = eval_lm_command(a)
     print("[evaluate] " + " ".join(cmd), flush=True)
     result = read_result(*run(cmd))
-    result.update(subset=a.subset, checkpoint=str(a.checkpoint),
+    result.update(subset=a.subset, checkpoint=str(a.checkpoint), protocol=a.protocol,
                   tokens_per_sample=a.tokens_per_sample, context_window=a.context_window,
                   loss_nats=result["loss_base2"] * math.log(2))
     tokens = f", {result['tokens']:,} tokens" if result["tokens"] is not None else ""
     print(f"{a.subset}: perplexity {result['perplexity']:.2f}, loss "
           f"{result['loss_base2']:.4f} bits/token ({result['loss_nats']:.4f} nats){tokens} "
-          f"(tokens per sample {a.tokens_per_sample}, context window {a.context_window})",
+          f"({a.protocol} protocol: tokens per sample {a.tokens_per_sample}, context window "
+          f"{a.context_window})",
           flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -6,11 +6,12 @@ min_len 55, no repeated trigrams, through fairseq's BART hub interface
 (``BARTModel.from_pretrained``) with the local GPT-2 BPE files. ROUGE follows the protocol
 of files2rouge (the authors' tool, a wrapper around the Perl ROUGE-1.5.5) on tokenised text
 (fairseq's BART README), with the ``rouge-score`` package: F-measure averaged over the
-documents, times 100, no stemming (files2rouge's ROUGE-1.5.5 arguments ``-c 95 -r 1000 -n 2
--a``; ``--stemmer``: Porter stemming, ROUGE-1.5.5's ``-m``); hypotheses and references
-Moses-tokenised (sacremoses, for the Stanford PTB tokenizer) and split into sentences at
-" . " as files2rouge does, one a line, so that ROUGE-L is ROUGE-1.5.5's summary-level
-ROUGE-L (``rougeLsum``). docs/summarization.md lists what still differs.
+documents, times 100, with Porter stemming (files2rouge stems by default: ROUGE-1.5.5's
+``-m`` besides its ``-c 95 -r 1000 -n 2 -a``; ``--no-stemmer`` scores without);
+hypotheses and references Moses-tokenised (sacremoses, for the Stanford PTB tokenizer) and
+split into sentences at " . " as files2rouge does, one a line, so that ROUGE-L is
+ROUGE-1.5.5's summary-level ROUGE-L (``rougeLsum``). docs/summarization.md lists what still
+differs.
 
     python -m rdrop_fairseq.recipes.evaluate_summarization --data work/cnn_dm/bin --raw cnn_dm \\
         --checkpoint checkpoints/cnndm-rdrop/checkpoint_best.pt \\
@@ -52,10 +53,10 @@ def split_sentences(text, tokenizer):
     return " .\n".join(tokens.split(" . "))
 
 
-def rouge(hypotheses, references, stem=False):
+def rouge(hypotheses, references, stem=True):
     """Mean F-measure x 100 of rouge1, rouge2, rougeLsum (summary-level ROUGE-L) and rougeL
     (ROUGE-L over the whole text as one sequence), as rouge-score computes them; Porter
-    stemming with ``stem``."""
+    stemming with ``stem`` (files2rouge's default)."""
     from rouge_score import rouge_scorer
     from sacremoses import MosesTokenizer
 
@@ -153,9 +154,9 @@ def parse_args(argv=None):
     p.add_argument("--json", help="also write the scores to this JSON file")
     p.add_argument("--score-only", action="store_true",
                    help="score the hypotheses in --out against --target; generate nothing")
-    p.add_argument("--stemmer", action=argparse.BooleanOptionalAction, default=False,
-                   help="ROUGE with Porter stemming (ROUGE-1.5.5's -m); the default is "
-                        "files2rouge's, without (see docs/summarization.md)")
+    p.add_argument("--stemmer", action=argparse.BooleanOptionalAction, default=True,
+                   help="ROUGE with Porter stemming (ROUGE-1.5.5's -m), files2rouge's "
+                        "default; --no-stemmer scores without (see docs/summarization.md)")
     p.add_argument("--batch-size", type=int, default=32, help="articles per batch")
     p.add_argument("--beam", type=int, default=DECODING["beam"])
     p.add_argument("--lenpen", type=float, default=DECODING["lenpen"])

@@ -1,25 +1,29 @@
 #!/usr/bin/env python
 """Translate the test set with fairseq-generate and score it as the paper does.
 
-Per recipe: beam 5 / lenpen 1.0 for IWSLT, beam 4 / lenpen 0.6 for WMT14; tokenized BLEU
-(multi-bleu.perl equivalent) for En<->De and WMT14, with compound splitting for WMT14
-En->De; sacreBLEU (detokenised with sacremoses, signature printed) for the other pairs.
-Data prepared with sentencepiece (``spm*.model`` in the data-bin, e.g. En<->Zh) is decoded
-with ``--remove-bpe sentencepiece``, which gives detokenised text, scored with sacreBLEU
-(its ``zh`` tokenisation for Chinese references).
+Decoding: beam 4 / lenpen 0.6 for WMT14 En->De, beam 5 / lenpen 1.0 for the rest (the
+paper). BLEU: tokenized BLEU (multi-bleu.perl equivalent) for En<->De and WMT14, with
+compound splitting for En<->De as fairseq's scripts/compound_split_bleu.sh, which the
+authors' IWSLT14 De->En inference script (run_inference.sh) and their WMT14 advice
+(dropreg/R-Drop issue #19) score with; sacreBLEU for the other IWSLT pairs: the output
+detokenised with sacremoses against ``--ref``, the original references (default:
+``RAW/test.TGT`` beside the data-bin, as prepare_iwslt.py keeps them), case-sensitive
+unless ``--lowercase`` (data prepared lower-cased), signature printed. Data prepared with
+sentencepiece (``spm*.model`` in the data-bin, e.g. En<->Zh) is decoded with
+``--remove-bpe sentencepiece``, which gives detokenised text, scored with sacreBLEU (its
+``zh`` tokenisation for Chinese references).
 
     python -m rdrop_fairseq.recipes.evaluate_translation iwslt --data work/iwslt14.de-en/bin \\
         --src de --tgt en --checkpoint checkpoints/iwslt14-rdrop/checkpoint_best.pt
-    # WMT14 as the authors: the average of the last 10 epoch checkpoints first
+    # the average of the last 10 epoch checkpoints first (fairseq's Scaling NMT recipe)
     python -m rdrop_fairseq.recipes.average_checkpoints --inputs SAVE_DIR \\
         --num-epoch-checkpoints 10 --output SAVE_DIR/checkpoint.avg10.pt
 
 scripts/iwslt14.sh and scripts/wmt14.sh run these in their evaluate stage.
 
 Writes ``OUT`` (default: next to the checkpoint, ``generate-SUBSET.txt``) and prints the
-paper's score first, then the other two of the same output beside it (tokenized BLEU with
-and without compound splitting, sacreBLEU on the Moses-detokenised text; the authors'
-scripts pipe every language pair through compound splitting and print sacreBLEU too).
+paper's score first, then the other BLEUs of the same output beside it, for comparison
+(tokenized BLEU with and without compound splitting, sacreBLEU).
 Environment variables: DATA, CHECKPOINT, SRC, TGT.
 """
 
@@ -35,16 +39,23 @@ import sacrebleu
 from .common import ArgumentParser, PLUGIN, fairseq_cli
 from .score_bleu import read_generate_output, tokenized_bleu
 
-DECODING = {"iwslt": {"beam": 5, "lenpen": 1.0}, "wmt14": {"beam": 4, "lenpen": 0.6}}
+RECIPES = ("iwslt", "wmt14")
+
+
+def decoding_for(recipe, tgt):
+    """The paper's beam and length penalty: beam 4 / lenpen 0.6 for WMT14 En->De only."""
+    if recipe == "wmt14" and tgt == "de":
+        return {"beam": 4, "lenpen": 0.6}
+    return {"beam": 5, "lenpen": 1.0}
 
 
 def metric_for(recipe, src, tgt, data=None):
     """The paper's BLEU for a recipe and language pair."""
     if data is not None and uses_sentencepiece(data):
         return "sacrebleu"  # no Moses tokens to score
-    if recipe == "wmt14":
-        return "tokenized+compound" if tgt == "de" else "tokenized"
-    return "tokenized" if {src, tgt} == {"de", "en"} else "sacrebleu"
+    if {src, tgt} == {"de", "en"}:  # compound_split_bleu.sh, as the authors score
+        return "tokenized+compound"
+    return "tokenized" if recipe == "wmt14" else "sacrebleu"
 
 
 def uses_sentencepiece(data):
@@ -52,7 +63,10 @@ def uses_sentencepiece(data):
     return any(Path(data).glob("spm*.model"))
 
 
-def score(metric, hyps, refs, tgt, moses_tokens=True):
+def score(metric, hyps, refs, tgt, moses_tokens=True, original_refs=None, lowercase=False):
+    """``(score line, BLEU)``. sacreBLEU detokenises Moses-tokenised hypotheses and scores
+    them against ``original_refs`` (the untouched references) when given, else against the
+    data-bin's references detokenised the same way."""
     if metric.startswith("tokenized"):
         if not moses_tokens:
             sys.exit("error: tokenized BLEU needs Moses-tokenised data; this data-bin was "
@@ -63,13 +77,21 @@ def score(metric, hyps, refs, tgt, moses_tokens=True):
         detok = MosesDetokenizer(lang=tgt)
         hyps = [detok.detokenize(h.split()) for h in hyps]
         refs = [detok.detokenize(r.split()) for r in refs]
-    bleu = sacrebleu.metrics.BLEU(trg_lang=tgt)
+    if original_refs is not None:
+        if len(original_refs) != len(hyps):
+            sys.exit(f"error: {len(original_refs)} original references for {len(hyps)} "
+                     "translations: --ref must be the test set's target side")
+        refs = original_refs
+    bleu = sacrebleu.metrics.BLEU(trg_lang=tgt, lowercase=lowercase)
     result = bleu.corpus_score(hyps, [refs])
-    return f"sacreBLEU = {result.score:.2f}  {bleu.get_signature()}", result.score
+    against = "original references" if original_refs is not None else "data-bin references"
+    return (f"sacreBLEU = {result.score:.2f}  {bleu.get_signature()} ({against})",
+            result.score)
 
 
 def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test", beam=5,
-                       lenpen=1.0, metric="tokenized", batch_size=128, cpu=False, quiet=False):
+                       lenpen=1.0, metric="tokenized", batch_size=128, cpu=False, quiet=False,
+                       original_refs=None, lowercase=False):
     """fairseq-generate into ``out``, then ``(score line, BLEU, sentence count)``."""
     cmd = [fairseq_cli("fairseq-generate"), str(data),
            "--user-dir", str(PLUGIN), "--path", str(checkpoint),
@@ -84,13 +106,25 @@ def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test",
     with open(out, "w", encoding="utf-8") as f:
         subprocess.run(cmd, stdout=f, stderr=subprocess.DEVNULL if quiet else None, check=True)
     hyps, refs = read_generate_output(out)
-    line, bleu = score(metric, hyps, refs, tgt, moses_tokens=not uses_sentencepiece(data))
+    line, bleu = score(metric, hyps, refs, tgt, moses_tokens=not uses_sentencepiece(data),
+                       original_refs=original_refs, lowercase=lowercase)
     return line, bleu, len(hyps)
+
+
+def original_references(data, subset, tgt, ref=None):
+    """The lines of ``ref``, or of RAW/SUBSET.TGT beside the data-bin (prepare_iwslt.py's
+    untouched references) if it is there; None otherwise."""
+    path = Path(ref) if ref else Path(data).parent / "raw" / f"{subset}.{tgt}"
+    if not path.is_file():
+        if ref:
+            sys.exit(f"error: --ref {ref} not found")
+        return None
+    return path.read_text(encoding="utf-8").splitlines()
 
 
 def main(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("recipe", choices=sorted(DECODING))
+    p.add_argument("recipe", choices=RECIPES)
     p.add_argument("--data", default=os.environ.get("DATA"), required="DATA" not in os.environ)
     p.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT"),
                    required="CHECKPOINT" not in os.environ)
@@ -100,6 +134,10 @@ def main(argv=None):
     p.add_argument("--beam", type=int)
     p.add_argument("--lenpen", type=float)
     p.add_argument("--metric", choices=["tokenized", "tokenized+compound", "sacrebleu"])
+    p.add_argument("--ref", help="sacreBLEU: the original references of SUBSET (default: "
+                                 "RAW/SUBSET.TGT beside the data-bin, if there)")
+    p.add_argument("--lowercase", action="store_true",
+                   help="sacreBLEU case-insensitive (for data prepared lower-cased)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--out", help="where to write fairseq-generate's output")
@@ -107,18 +145,22 @@ def main(argv=None):
     checkpoint = Path(a.checkpoint)
     if not checkpoint.is_file():
         p.error(f"no checkpoint {checkpoint}")
-    beam = a.beam or DECODING[a.recipe]["beam"]
-    lenpen = a.lenpen if a.lenpen is not None else DECODING[a.recipe]["lenpen"]
+    decoding = decoding_for(a.recipe, a.tgt)
+    beam = a.beam or decoding["beam"]
+    lenpen = a.lenpen if a.lenpen is not None else decoding["lenpen"]
     metric = a.metric or metric_for(a.recipe, a.src, a.tgt, a.data)
     out = Path(a.out) if a.out else checkpoint.with_name(f"generate-{a.subset}.txt")
+    refs = original_references(a.data, a.subset, a.tgt, a.ref)
     line, _, count = generate_and_score(a.data, checkpoint, out, a.src, a.tgt, a.subset, beam,
-                                        lenpen, metric, a.batch_size, a.cpu)
+                                        lenpen, metric, a.batch_size, a.cpu,
+                                        original_refs=refs, lowercase=a.lowercase)
     print(f"{a.subset}: {count} sentences, {line}")
     if not uses_sentencepiece(a.data):  # the other BLEUs of the same output, for comparison
-        hyps, refs = read_generate_output(out)
+        hyps, tokenized_refs = read_generate_output(out)
         for other in ("tokenized", "tokenized+compound", "sacrebleu"):
             if other != metric:
-                print(f"  beside it: {score(other, hyps, refs, a.tgt)[0]}")
+                print("  beside it: " + score(other, hyps, tokenized_refs, a.tgt,
+                                              original_refs=refs, lowercase=a.lowercase)[0])
     print(f"(output: {out})")
 
 

@@ -5,8 +5,12 @@ From the official archive of a pair (``de-en.tgz`` etc.: a local path, or a URL 
 downloaded when online): training text from ``train.tags.PAIR.LANG`` without its markup
 lines, the test set from the TED dev/tst XML files (dev2010, dev2012, tst2010-2012 for
 IWSLT14 de-en), then ``prepare_translation.py`` with the recipe's settings: Moses
-tokenisation, lower-casing, cleaning (1-175 tokens, ratio 1.5), every 23rd training pair
-held out as validation, joint BPE (10k merges) and fairseq-preprocess.
+tokenisation, lower-casing for De<->En (as the authors' prepare-iwslt14.sh; the other
+pairs keep their case, for the paper's sacreBLEU, which is case-sensitive: ``--lowercase``
+/ ``--no-lowercase`` to choose), cleaning (1-175 tokens, ratio 1.5), every 23rd training
+pair held out as validation, joint BPE (10k merges) and fairseq-preprocess. The test
+references stay as they are in ``OUT/raw/test.LANG`` (``’`` -> ``'``, as fairseq's
+script), which evaluate_translation.py scores sacreBLEU against.
 
     python -m rdrop_fairseq.recipes.prepare_iwslt --archive de-en.tgz --src de --tgt en \\
         --out work/iwslt14.de-en
@@ -21,6 +25,7 @@ lower-casing, training pairs of 1-175 pieces without a length-ratio filter (Chin
 English piece counts are not comparable), ``--vocab-size`` pieces per language.
 """
 
+import argparse
 import re
 import subprocess
 import sys
@@ -103,7 +108,13 @@ def main():
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--bpe-merges", type=int, default=10000)
     p.add_argument("--vocab-size", type=int, default=10000, help="per language, for zh pairs")
+    p.add_argument("--lowercase", action=argparse.BooleanOptionalAction,
+                   help="lower-case the Moses tokens (default: for De<->En only)")
     a = p.parse_args()
+    if a.lowercase is None:
+        a.lowercase = {a.src, a.tgt} == {"de", "en"}
+    if a.lowercase and "zh" in (a.src, a.tgt):
+        p.error("--lowercase applies to Moses tokens; zh pairs use sentencepiece on raw text")
     with made_or_removed(a.out):  # a failure leaves no half-made OUT
         a.out.mkdir(parents=True, exist_ok=True)
         archive = fetch(a.archive, a.out)
@@ -112,7 +123,8 @@ def main():
             subword = ["--subword", "sentencepiece", "--separate-dictionaries",
                        "--vocab-size", str(a.vocab_size), "--max-ratio", "0"]
         else:
-            subword = ["--lowercase", "--bpe-merges", str(a.bpe_merges), "--max-ratio", "1.5"]
+            subword = ["--lowercase"] * a.lowercase + ["--bpe-merges", str(a.bpe_merges),
+                                                        "--max-ratio", "1.5"]
         subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",
                         "--raw", str(a.out / "raw"), "--src", a.src, "--tgt", a.tgt,
                         "--out", str(a.out), "--max-len", "175", "--valid-from-train", "23",

@@ -1,7 +1,22 @@
 #!/usr/bin/env python
-"""Prepare WMT14 En-De or En-Fr as fairseq's examples/translation/prepare-wmt14en2{de,fr}.sh.
+"""Prepare WMT14 En-De or En-Fr: Google's preprocessed WMT'16 En-De, or fairseq's
+examples/translation/prepare-wmt14en2{de,fr}.sh.
 
-From the official archives (a directory holding them, or downloaded into it when online):
+``--google DIR`` (En-De, the way to compare with the paper): the files of Google's
+preprocessed WMT'16 En-De archive (``wmt16_en_de.tar.gz``, extracted into DIR), which the
+authors point to (dropreg/R-Drop issue #19: fairseq issue #202, the Scaling NMT recipe).
+Made by (an earlier version of) google/seq2seq's bin/data/wmt16_en_de.sh: Europarl v7,
+Common Crawl and News Commentary v11, Moses-tokenised without hyphen splitting, a 32k BPE;
+newstest2013 as validation, newstest2014 as test. They are binarised as
+fairseq's examples/scaling_nmt/README.md does::
+
+    fairseq-preprocess --source-lang en --target-lang de \\
+        --trainpref DIR/train.tok.clean.bpe.32000 --validpref DIR/newstest2013.tok.bpe.32000 \\
+        --testpref DIR/newstest2014.tok.bpe.32000 --destdir OUT/bin \\
+        --nwordssrc 32768 --nwordstgt 32768 --joined-dictionary
+
+Otherwise (``--orig``), from the official archives (a directory holding them, or downloaded
+into it when online):
 
 * training text: the concatenated corpora below, Moses punctuation normalisation,
   non-printing characters removed, Moses tokenisation with aggressive hyphen splitting
@@ -12,6 +27,8 @@ From the official archives (a directory holding them, or downloaded into it when
   cleaned after BPE (1-250 subwords, ratio 1.5), test kept whole; fairseq-preprocess with
   a joined dictionary.
 
+    python -m rdrop_fairseq.recipes.prepare_wmt14 --google wmt16_en_de_bpe32k \\
+        --out work/wmt16-google.en-de
     python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-de --orig work/wmt14-orig \\
         --out work/wmt14.en-de
     python -m rdrop_fairseq.recipes.prepare_wmt14 --pair en-de \\
@@ -31,7 +48,7 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
-from .common import ArgumentParser, made_or_removed
+from .common import ArgumentParser, fairseq_cli, made_or_removed
 
 STATMT = "http://statmt.org"
 CORPORA = {
@@ -62,6 +79,10 @@ ICML17 = {  # fairseq's --icml17: the ConvS2S paper's WMT14 En-De (news-commenta
     "archive": f"{STATMT}/wmt14/training-parallel-nc-v9.tgz",
     "corpus": "training/news-commentary-v9.de-en",
 }
+# Google's WMT'16 En-De (examples/scaling_nmt/README.md): the fairseq-preprocess prefixes
+GOOGLE = {"train": "train.tok.clean.bpe.32000", "valid": "newstest2013.tok.bpe.32000",
+          "test": "newstest2014.tok.bpe.32000"}
+GOOGLE_VOCAB = 32768  # --nwordssrc / --nwordstgt of the Scaling NMT recipe
 _SEG = re.compile(r"<seg id=\"?\d+\"?>\s*(.*?)\s*</seg>")
 
 
@@ -138,16 +159,46 @@ def assemble(pair, orig, raw, icml17=False):
     return spec
 
 
+def binarize_google(google, out, workers):
+    """OUT/bin from Google's WMT'16 En-De files in ``google``, as the Scaling NMT recipe."""
+    prefixes = {split: google / name for split, name in GOOGLE.items()}
+    missing = [f"{prefix.name}.{lang}" for prefix in prefixes.values() for lang in ("en", "de")
+               if not prefix.with_name(f"{prefix.name}.{lang}").is_file()]
+    if missing:
+        sys.exit(f"error: {google} lacks {', '.join(missing)}: --google must be the folder "
+                 "wmt16_en_de.tar.gz (Google's preprocessed WMT'16 En-De) was extracted in")
+    subprocess.run([fairseq_cli("fairseq-preprocess"), "--source-lang", "en",
+                    "--target-lang", "de", "--trainpref", str(prefixes["train"]),
+                    "--validpref", str(prefixes["valid"]), "--testpref", str(prefixes["test"]),
+                    "--destdir", str(out / "bin"), "--nwordssrc", str(GOOGLE_VOCAB),
+                    "--nwordstgt", str(GOOGLE_VOCAB), "--joined-dictionary",
+                    "--workers", str(workers)], check=True)
+
+
 def main(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", choices=sorted(CORPORA), default="en-de")
-    p.add_argument("--orig", type=Path, required=True,
-                   help="directory with the official archives (downloaded into it if missing)")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--google", type=Path,
+                      help="En-De: the extracted wmt16_en_de.tar.gz (Google's preprocessed "
+                           "WMT'16 En-De, as the authors)")
+    data.add_argument("--orig", type=Path,
+                      help="directory with the official archives (downloaded into it if missing)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--icml17", action="store_true", help="En-De with news-commentary v9")
-    p.add_argument("--bpe-merges", type=int, default=32000)
+    p.add_argument("--bpe-merges", type=int, help="default: 32000 (not with --google, "
+                                                        "whose files are BPE'd already)")
     p.add_argument("--workers", type=int, default=8)
     a = p.parse_args(argv)
+    if a.google:
+        if a.pair != "en-de":
+            p.error("--google is Google's WMT'16 En-De: --pair en-de")
+        if a.icml17 or a.bpe_merges is not None:
+            p.error("--icml17 and --bpe-merges apply to the official archives (--orig); "
+                    "--google's files are tokenised and BPE'd already")
+        with made_or_removed(a.out):
+            binarize_google(a.google, a.out, a.workers)
+        return
     # a failure leaves no half-made OUT (and no empty ORIG; downloaded archives stay)
     with made_or_removed(a.out, a.orig):
         spec = corpora(a.pair, a.icml17)
@@ -160,7 +211,8 @@ def main(argv=None):
                         "--normalize-punct", "--aggressive-dash", "--clean-after-bpe",
                         "--max-len", "250", "--max-ratio", "1.5",
                         "--valid-from-train", str(spec["valid_every"]),
-                        "--bpe-merges", str(a.bpe_merges), "--workers", str(a.workers)], check=True)
+                        "--bpe-merges", str(a.bpe_merges or 32000), "--workers", str(a.workers)],
+                       check=True)
 
 
 if __name__ == "__main__":
