@@ -224,7 +224,11 @@ def run_all(jobs, parallel, on_done=None):
                     handle = open(log, "w")
                 else:
                     print(f"  [{name}] continuing from its checkpoint_last.pt ({done} "
-                          f"epoch{'s' * (done != 1)} done)", flush=True)
+                          f"epoch{'s' * (done != 1)} done). Its numbers will not be those of "
+                          "an uninterrupted run: fairseq 0.12 rebuilds the batches with the "
+                          "seed of the epoch it resumes in (weights, optimizer and dropout "
+                          "seeds are restored exactly); --fresh for comparable numbers",
+                          flush=True)
                     seen = len(log.read_text(errors="replace").splitlines())
                     handle = open(log, "a")
                 running.append((name, subprocess.Popen(cmd, stdout=handle,
