@@ -298,3 +298,23 @@ def test_a_failed_prepare_is_one_line_and_leaves_no_half_made_output(tmp_path, m
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len([line for line in proc.stderr.splitlines() if "error" in line]) == 1, proc.stderr
     assert list(tmp_path.iterdir()) == []  # no OUT, no empty download folder
+
+
+def test_gpu_check_dry_run_prints_its_three_steps(tmp_path):
+    commands, proc = dry_run("gpu_check", OUT=tmp_path / "out", PYTHON=sys.executable)
+    assert "no CUDA device here" in proc.stdout
+    assert commands[0][1:5] == ["-m", "pytest", "-m", "cuda"]
+    train = next(c for c in commands if c[0].endswith("fairseq-train"))
+    assert "--fp16" in train and train[train.index("--criterion") + 1] == (
+        "label_smoothed_cross_entropy_rdrop")
+    assert train[train.index("--max-update") + 1] == "300"
+    benches = [c[1].rsplit("/", 1)[-1] for c in commands if c[1].endswith(".py")]
+    assert benches == ["bench_rdrop.py", "bench_attendout.py"]
+    assert all(c[2] == "gpu" for c in commands if c[1].endswith(".py"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_without_cuda_says_so_and_fails(tmp_path):
+    proc = script("gpu_check", ok=False, OUT=tmp_path / "out", PYTHON=sys.executable)
+    assert proc.returncode == 1 and "no CUDA device" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
