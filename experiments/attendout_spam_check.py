@@ -210,20 +210,19 @@ def summarize(results, work, plot):
     def mean_std(values):
         return (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
 
-    summary, lines = {}, ["| mode | seeds | test accuracy | test F1 (spam) | layers pruned | "
-                          "train time (s) |", "|---|---|---|---|---|---|"]
+    # (no training time here: a resumed run's result.json holds only its last part)
+    summary, lines = {}, ["| mode | seeds | test accuracy | test F1 (spam) | layers pruned |",
+                          "|---|---|---|---|---|"]
     for mode in MODES:
         rows = [r for r in results if r["mode"] == mode]
         if not rows:
             continue
         acc, f1 = mean_std([r["accuracy"] for r in rows]), mean_std([r["f1"] for r in rows])
         summary[mode] = {"accuracy": acc, "f1": f1, "seeds": [r["seed"] for r in rows],
-                         "pruned": [r["pruned_layers"] for r in rows],
-                         "train_seconds": statistics.mean(r["train_seconds"] for r in rows)}
+                         "pruned": [r["pruned_layers"] for r in rows]}
         lines.append(f"| {mode} | {len(rows)} | {acc[0]:.1f} ± {acc[1]:.1f} | "
                      f"{f1[0]:.1f} ± {f1[1]:.1f} | "
-                     f"{', '.join(str(len(r['pruned_layers'])) for r in rows)} / 6 | "
-                     f"{summary[mode]['train_seconds']:.0f} |")
+                     f"{', '.join(str(len(r['pruned_layers'])) for r in rows)} (of 6) |")
     (work / "summary.json").write_text(json.dumps({"summary": summary, "runs": results},
                                                   indent=1))
     (work / "summary.md").write_text("\n".join(lines) + "\n")
