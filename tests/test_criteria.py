@@ -695,3 +695,19 @@ def test_fairseq_trainer_dummy_batch_gives_zero_gradient(name):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(g.abs().sum() == 0 for g in grads)
     assert trainer.get_num_updates() == 2
+
+
+def test_label_smoothing_one_is_the_fairseq_parent_on_the_doubled_batch():
+    """--label-smoothing 1.0, which fairseq's parent supports: the two-pass task loss and its
+    gradient are the parent's on [x; x] (issue 19, item 8)."""
+    case = translation_case()
+    model = case.build_model(dropout=0.2)
+    model.train()
+    sample = case.make_sample()
+    loss, _, logs, grads = run(case.ours(alpha=0.0, two_passes=True, label_smoothing=1.0),
+                               model, sample)
+    p_loss, _, p_logs, p_grads = run(case.parent(label_smoothing=1.0), model, doubled(sample))
+    torch.testing.assert_close(loss.reshape(()), p_loss.reshape(()), rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, p_grads, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close((logs["nll_loss"] * 2).reshape(()),
+                               p_logs["nll_loss"].reshape(()), rtol=1e-5, atol=1e-6)
