@@ -509,6 +509,19 @@ def test_unknown_or_unavailable_impl_is_rejected_naming_the_flag(case, monkeypat
         case.ours(alpha=1.0, rdrop_impl="triton")
 
 
+def test_triton_impl_without_cuda_is_refused_when_the_criterion_is_built(monkeypatch):
+    """Not at the first step (issue 20): without a GPU and without Triton's interpreter."""
+    pytest.importorskip("triton")
+    case = translation_case()
+    case.build_model(dropout=0.1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--rdrop-impl triton needs a CUDA GPU"):
+        case.ours(alpha=1.0, rdrop_impl="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the tests' interpreter stays usable
+    assert case.ours(alpha=1.0, rdrop_impl="triton").rdrop_impl == "triton"
+
+
 @pytest.mark.parametrize("chunk_mb", [1e-6, 0.0])
 def test_chunk_size_changes_no_result(case, chunk_mb):
     """One row pair per chunk or the automatic size: the same loss and gradients."""
