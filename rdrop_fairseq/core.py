@@ -9,10 +9,13 @@ All reductions are sums (fairseq normalises by the sample size afterwards), comp
 float32 at least (float64 inputs stay float64), whatever the dtype of the model.
 
 The fused loss (:func:`rdrop_loss`) is written for GPUs first: no host-device
-synchronisation (padding is masked by weights, never selected), a number of chunks that
-depends on shapes only, and no ``2N x V`` float32 tensor: the logits' gradient is computed
-during the forward, in the logits' own dtype, and the backward only scales it. On CUDA a
-Triton kernel does the whole row-pair computation in one launch
+synchronisation (padding is masked with ``torch.where``, never selected), a number of
+chunks that depends on shapes only, and no float32 temporary larger than one chunk: the
+logits' gradient is computed during the forward, in the logits' own dtype, and the backward
+only scales it. That gradient is the one ``2N x V`` tensor we allocate, in the scores'
+dtype: for fp16/bf16 scores nothing ``2N x V`` is float32; for float32 scores the gradient
+buffer *is* ``2N x V`` float32, unless ``grad_in_scores`` lets us write it into the scores'
+own buffer. On CUDA a Triton kernel does the whole row-pair computation in one launch
 (:mod:`rdrop_fairseq.triton_kernel`); elsewhere a chunked torch implementation does the
 same. docs/design.md has the derivation and the memory accounting.
 """
@@ -37,15 +40,21 @@ __all__ = [
 
 IMPLS = ("auto", "torch", "triton")
 
-# Default bound on one chunk's temporaries (--rdrop-chunk-mb 0). On CUDA, large chunks mean
-# few kernel launches; on CPU, a chunk that stays in the caches is fastest (measured in
-# benchmarks/bench_rdrop.py, docs/benchmarks.md).
+# Default bound on one chunk's temporaries (--rdrop-chunk-mb 0). On CPU, a chunk that stays
+# in the caches is fastest (measured on CPU: benchmarks/bench_rdrop.py, docs/benchmarks.md).
+# The CUDA value is not measured on a GPU yet: large chunks mean few kernel launches.
 AUTO_CHUNK_MB = {"cuda": 256.0, "cpu": 16.0}
 
 # fp16 gradients are stored scaled by a power of two per row pair, chosen so that the
 # row's largest entry lands near this value: the bulk of a softmax gradient (~1/V) would
 # otherwise be fp16 subnormals. The backward undoes the scale exactly.
 _FP16_TARGET_MAX = 2.0 ** 14
+
+# grad_fn of scores whose op keeps no copy of its output for its backward (a linear layer:
+# it saves its inputs), and of views, which are followed to their base: the gradient may be
+# written into such scores (grad_in_scores="auto"). Anything else keeps a buffer of its own.
+_OUTPUT_NOT_SAVED = ("MmBackward0", "AddmmBackward0", "BmmBackward0")
+_VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 
 # Values in ``net_input`` that configure the forward pass rather than carry examples.
 _PASSTHROUGH_TYPES = (type(None), bool, int, float, str)
@@ -106,7 +115,7 @@ def split_halves(x):
 
 
 def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None, keep=None,
-               log_probs=False, chunk_mb=0.0, impl="auto"):
+               log_probs=False, chunk_mb=0.0, impl="auto", grad_in_scores=False):
     """Task loss of both passes plus ``alpha`` times their symmetric KL, fused.
 
     Args:
@@ -117,27 +126,39 @@ def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None
         target: ``(B, ...)`` class indices of *one* pass (both passes share it), or
             ``None`` for the KL alone.
         alpha: weight of the KL in ``total``, ``>= 0``.
-        epsilon: label smoothing, as fairseq's ``label_smoothed_nll_loss`` (0 = plain NLL).
-        ignore_index: padding index; positions whose target equals it count nowhere.
+        epsilon: label smoothing in ``[0, 1]``, as fairseq's ``label_smoothed_nll_loss``
+            (0 = plain NLL).
+        ignore_index: padding index; positions whose target equals it count nowhere. It
+            may lie outside ``[0, V)`` (PyTorch's -100).
         keep: optional boolean ``(B, ...)`` mask, False for further excluded positions
-            (e.g. an ignored prefix).
+            (e.g. an ignored prefix). Excluded rows are masked, not weighted by 0: any
+            value there (inf, nan) reaches neither the loss nor the gradient, which is 0.
         chunk_mb: bound on one chunk's float32 temporaries in the torch implementation, in
             MiB; 0 = automatic (:data:`AUTO_CHUNK_MB`).
         impl: ``"torch"``, ``"triton"`` (CUDA tensors, or CPU tensors under
             ``TRITON_INTERPRET=1``) or ``"auto"`` (triton on CUDA when importable).
+        grad_in_scores: write the gradient into the buffer of ``scores`` (overwriting
+            them: the caller must not read them afterwards) instead of a buffer of its
+            own. ``"auto"``: only where that is safe, i.e. ``scores`` come (through views)
+            from a matrix product, which keeps no copy of its output for its backward;
+            ``True``: whenever ``scores`` are a non-leaf. The write is an in-place op seen
+            by autograd (the version counter moves), so a producer that did save its output
+            makes autograd raise rather than return a wrong gradient. Default False.
 
-    Returns :data:`RDropLoss` ``(total, loss, nll, kl)``, scalars of dtype >= float32.
+    Returns :data:`RDropLoss` ``(total, loss, nll, kl)``, float32 (float64 for float64
+    scores) scalars, also under autocast (the whole computation runs outside it).
 
     Only ``total`` is differentiable, and only once: its backward scales, in place, the
     gradient computed during the forward (so a second backward through the same graph
     raises). Nothing of size ``2B x ... x V`` is allocated but that gradient, in the
-    dtype of ``scores``; the halves are not compared (the caller built ``[x; x]``).
+    dtype of ``scores`` (so float32 for float32 scores), and not even that when it goes
+    into ``scores``; the halves are not compared (the caller built ``[x; x]``).
     """
     alpha = float(alpha)
     if not alpha >= 0 or math.isinf(alpha):
         raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
-    if not 0.0 <= epsilon < 1.0:
-        raise ValueError(f"epsilon (label smoothing) must be in [0, 1), got {epsilon}")
+    if not 0.0 <= epsilon <= 1.0:
+        raise ValueError(f"epsilon (label smoothing) must be in [0, 1], got {epsilon}")
     if scores.dim() < 2 or scores.size(0) % 2:
         raise RDropBatchError(
             "scores must be (2B, ..., V) with both passes stacked along dim 0, got shape "
@@ -148,14 +169,19 @@ def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None
     n = pairs.size(1)
     if pairs.stride(-1) != 1:
         pairs = pairs.contiguous()
-    weight = _row_weights(target, ignore_index, keep, n, pairs)
+    kept = _kept_rows(target, ignore_index, keep, n, pairs)
     if target is not None:
-        target = target.reshape(-1)
+        # an excluded row's id may be anything (-100, 1e9): read class 0 there instead
+        target = torch.where(kept, target.reshape(-1), 0)
     impl = _resolve_impl(impl, scores)
     chunk_rows = chunk_rows_for(vocab, scores, chunk_mb) if impl == "torch" else 0
-    total, loss, nll, kl = _FusedRDrop.apply(
-        pairs, target, weight, alpha, float(epsilon), bool(log_probs), impl, chunk_rows
-    )
+    into_scores = _grad_into_scores(grad_in_scores, scores, pairs)
+    # fairseq's --amp calls the criterion under autocast, which would run sums in fp16
+    with torch.autocast(scores.device.type, enabled=False):
+        total, loss, nll, kl = _FusedRDrop.apply(
+            pairs, target, kept, alpha, float(epsilon), bool(log_probs), impl, chunk_rows,
+            into_scores,
+        )
     return RDropLoss(total, loss, nll, kl)
 
 
@@ -191,9 +217,8 @@ def chunk_rows_for(vocab, scores, chunk_mb=0.0):
     return max(1, int(chunk_mb * 2**20) // per_pair)
 
 
-def _row_weights(target, ignore_index, keep, n, pairs):
-    """1 for a position that counts, 0 for padding / excluded ones: (N,) in compute dtype."""
-    dtype = _compute_dtype(pairs)
+def _kept_rows(target, ignore_index, keep, n, pairs):
+    """True for a position that counts, False for padding / excluded ones: (N,) bool."""
     if target is not None and target.numel() != n:
         raise RDropBatchError(
             f"target has {target.numel()} positions, but each pass of scores has {n}: pass "
@@ -208,8 +233,22 @@ def _row_weights(target, ignore_index, keep, n, pairs):
         keep = keep.reshape(-1).bool()
         mask = keep if mask is None else mask & keep
     if mask is None:
-        return torch.ones(n, dtype=dtype, device=pairs.device)
-    return mask.to(dtype)
+        return torch.ones(n, dtype=torch.bool, device=pairs.device)
+    return mask
+
+
+def _grad_into_scores(grad_in_scores, scores, pairs):
+    """Whether the gradient may go into the buffer of ``scores`` (``pairs`` is a view)."""
+    if grad_in_scores not in (False, True, "auto"):
+        raise ValueError(f"grad_in_scores must be False, True or 'auto', got {grad_in_scores!r}")
+    if not grad_in_scores or scores.grad_fn is None or pairs.data_ptr() != scores.data_ptr():
+        return False  # no graph, a leaf, or pairs is a contiguous copy already
+    if grad_in_scores is True:
+        return True
+    fn = scores.grad_fn
+    while type(fn).__name__ in _VIEWS:
+        fn = fn.next_functions[0][0]
+    return type(fn).__name__ in _OUTPUT_NOT_SAVED
 
 
 def _resolve_impl(impl, scores):
@@ -251,28 +290,36 @@ class _FusedRDrop(torch.autograd.Function):
     """Row-pair statistics and the scores' gradient in the forward; a scale in the backward."""
 
     @staticmethod
-    def forward(ctx, pairs, target, weight, alpha, epsilon, log_probs, impl, chunk_rows):
+    def forward(ctx, pairs, target, kept, alpha, epsilon, log_probs, impl, chunk_rows,
+                into_scores):
         n, vocab = pairs.size(1), pairs.size(2)
         coef = _coefficients(vocab, epsilon, alpha, target is not None, not log_probs)
-        # a padding row's target may be any id; the KL-only case has none at all
+        # the KL-only case has no target: read class 0
         t = target if target is not None else torch.zeros(n, dtype=torch.long, device=pairs.device)
         need_grad = ctx.needs_input_grad[0]  # False under no_grad (e.g. a checkpoint's 1st run)
+        out = pairs if need_grad and into_scores else None
         if impl == "triton":
             from .triton_kernel import rdrop_rows_triton
 
-            grad, stats = rdrop_rows_triton(pairs, t, from_logits=not log_probs, **coef)
+            grad, stats = rdrop_rows_triton(pairs, t, kept, from_logits=not log_probs,
+                                            need_grad=need_grad, out=out, **coef)
         else:
-            grad, stats = _rows_torch(pairs, t, not log_probs, chunk_rows, need_grad, **coef)
-        # stats rows: nll, smooth, kl_pq, kl_qp (per row pair), then the gradient's scale
-        nll, smooth, kl_pq, kl_qp = torch.mv(stats[:4].to(weight.dtype), weight).unbind()
-        if target is not None:
-            loss = coef["c1"] * nll + coef["eps_i"] * smooth
+            grad, stats = _rows_torch(pairs, t, kept, not log_probs, chunk_rows, need_grad,
+                                      out=out, **coef)
+        # stats rows: nll, smooth, kl_pq, kl_qp (per row pair), then the gradient's scale;
+        # excluded rows are masked out (whatever they hold), summed in fp32/fp64
+        nll, smooth, kl_pq, kl_qp = torch.where(kept, stats[:4], 0).sum(1).unbind()
+        if target is not None:  # a zero coefficient must not meet an inf (0 * inf = nan)
+            loss = coef["c1"] * nll if coef["c1"] else torch.zeros_like(nll)
+            if coef["eps_i"]:
+                loss = loss + coef["eps_i"] * smooth
         else:
             loss = nll = torch.zeros_like(kl_pq)
         kl = 0.5 * (kl_pq + kl_qp)
-        ctx.grad, ctx.row_factor = grad, weight * stats[4].to(weight.dtype)
+        ctx.grad, ctx.row_factor = grad, torch.where(kept, stats[4], 0)
         ctx.mark_non_differentiable(loss, nll, kl)
-        return loss + alpha * kl, loss, nll, kl
+        total = loss + alpha * kl if alpha else loss.clone()  # an inf KL times 0 is nan
+        return total, loss, nll, kl
 
     @staticmethod
     def backward(ctx, g_total, *unused):
@@ -284,11 +331,11 @@ class _FusedRDrop(torch.autograd.Function):
             )
         del ctx.grad
         factor = (g_total * ctx.row_factor).view(1, -1, 1)
-        return grad.mul_(factor), None, None, None, None, None, None, None
+        return grad.mul_(factor), None, None, None, None, None, None, None, None
 
 
-def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef, h, eps_i,
-                c1):
+def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, out=None, *,
+                pcoef, h, eps_i, c1):
     """Per row pair ``(x, y) = (pairs[0, i], pairs[1, i])``, with ``la, lb`` their
     log-probabilities (log_softmax of logits, or the inputs), ``pa, pb`` the
     probabilities and ``d = la - lb``:
@@ -304,12 +351,17 @@ def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef
       chain folded in) and ``P = Ka = Kb = 0`` from log-probabilities.
 
     Chunks of ``chunk_rows`` pairs; every op works on both passes at once where it can,
-    because on a GPU each op is a kernel launch. Without ``need_grad`` the gradient is
-    neither computed nor allocated (``grad`` is None).
+    because on a GPU each op is a kernel launch. Rows where ``kept`` (N,) is False get a
+    gradient of 0 (their stats are left to the caller to mask). Without ``need_grad`` the
+    gradient is neither computed nor allocated (``grad`` is None); with ``out`` (which may
+    be ``pairs`` itself: a chunk is read before its gradient is written) it goes there.
     """
     dtype = _compute_dtype(pairs)
     n = pairs.size(1)
-    grad = torch.empty(pairs.shape, dtype=pairs.dtype, device=pairs.device) if need_grad else None
+    grad = None
+    if need_grad:
+        grad = out if out is not None else torch.empty(pairs.shape, dtype=pairs.dtype,
+                                                       device=pairs.device)
     # scores in the compute dtype (fp32 logits, say): the probabilities live in the
     # gradient buffer until the gradient overwrites them, halving a chunk's temporaries
     in_place = need_grad and pairs.dtype == dtype
@@ -321,9 +373,11 @@ def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef
     sums = torch.empty((2, n), dtype=dtype, device=pairs.device)
     dots = torch.empty((n, 2, 1), dtype=dtype, device=pairs.device)
     inv_scale = torch.ones(n, dtype=dtype, device=pairs.device)
+    zero = torch.zeros((), dtype=dtype, device=pairs.device)
     grads = grad.split(chunk_rows, 1) if need_grad else [None] * math.ceil(n / chunk_rows)
-    for x, t, g, at, sm, dot, inv in zip(
-            pairs.split(chunk_rows, 1), index.split(chunk_rows, 1), grads,
+    for x, t, k, g, at, sm, dot, inv in zip(
+            pairs.split(chunk_rows, 1), index.split(chunk_rows, 1),
+            kept.view(1, n, 1).split(chunk_rows, 1), grads,
             at_target.split(chunk_rows, 1), sums.split(chunk_rows, 1), dots.split(chunk_rows),
             inv_scale.split(chunk_rows)):
         if from_logits:
@@ -335,8 +389,9 @@ def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef
         p = torch.exp(lp, out=g) if in_place else lp.exp()
         la, lb = lp.unbind(0)
         d = la.sub_(lb)  # la's storage now holds d = la - lb
-        if not from_logits:  # a class both passes rule out: -inf - -inf; it adds nothing
-            d.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+        # a class both passes rule out (-inf - -inf = nan) adds nothing (p = q = 0 there); a
+        # nan input stays visible through p
+        d.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
         pa, pb = p.unbind(0)
         # row dot products (sum_v pa d, sum_v pb d) = (KL(pa||pb), -KL(pb||pa)), as (r, 2, 1)
         torch.bmm(p.transpose(0, 1), d.unsqueeze(-1), out=dot)
@@ -358,7 +413,11 @@ def _rows_torch(pairs, target, from_logits, chunk_rows, need_grad=True, *, pcoef
             lp.scatter_(-1, t, -c1, reduce="add")
         if scale_fp16:
             _scale_for_fp16(lp, inv)
-        g.copy_(lp)
+        # excluded rows: 0, whatever they held (where's out must have its compute dtype)
+        if g.dtype == dtype:
+            torch.where(k, lp, zero, out=g)
+        else:
+            g.copy_(torch.where(k, lp, zero, out=lp))
     dots = dots.view(n, 2)
     stats = torch.stack([at_target.sum(0).view(n), sums.sum(0), dots[:, 0], dots[:, 1], inv_scale])
     stats[:2].neg_()

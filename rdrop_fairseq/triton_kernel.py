@@ -6,12 +6,14 @@ row pair ``i`` (pass 1 row ``x``, pass 2 row ``y``) the four loss terms and the 
     total = c1 * nll + eps_i * smooth + h * (kl_pq + kl_qp)
 
 with respect to ``x`` and ``y`` (logits, or log-probabilities with ``from_logits=False``).
-The caller scales and masks both (padding rows carry a valid class id here).
+Rows whose ``keep`` is 0 (padding) are not read beyond their target id: the program
+writes zeros (statistics and gradient) and stops.
 
 One program handles one row pair and walks over V in ``BLOCK_V`` chunks, three times:
 
-1. online log-sum-exp of both rows (running max and rescaled running sum, as fused
-   cross-entropy kernels do), so any V fits;
+1. online log-sum-exp of both rows (running max ``m`` and rescaled running sum ``s``, as
+   fused cross-entropy kernels do), so any V fits; log-probabilities are then
+   ``(x - m) - log s``, which keeps the precision of ``x - m`` whatever the logits' scale;
 2. ``kl_pq = sum pa*d``, ``kl_qp = -sum pb*d`` (``d = la - lb``) and ``sum la``, ``sum lb``;
 3. the gradient, which needs the complete KLs of its row (the softmax chain rule), hence
    a sweep of its own.
@@ -25,8 +27,9 @@ A float16 gradient is stored multiplied by a power of two per row pair (returned
 inverse in the statistics): most entries of a softmax gradient are ~1/V, fp16 subnormals
 at V = 32k. Sweep 2 tracks ``max pa |d|`` and ``max pb |d|``, which bound the row's
 gradient, and the scale brings that bound near 2**14 (from log-probabilities the gradient
-then moves to a third sweep as well). Nothing of size ``(2N, V)`` in float32 is ever allocated; all
-arithmetic is float32 in registers.
+then moves to a third sweep as well). Nothing of size ``(2N, V)`` is allocated but the
+gradient, in the dtype of the scores (float32 for float32 scores), and not even that
+with ``need_grad=False`` or ``out``; all arithmetic is float32 in registers.
 
 Importing this module does not need triton (``triton_available()`` tells), and importing
 ``rdrop_fairseq`` does not import this module (the core does so lazily). Triton reads
@@ -67,15 +70,19 @@ def triton_available():
     return triton is not None
 
 
-def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
+def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i, c1,
+                      need_grad=True, out=None):
     """Per-row R-Drop terms and gradient of both passes in one kernel launch.
 
     Args:
         scores: ``(2, N, V)`` float16/bfloat16/float32, ``scores[0]`` pass 1, ``scores[1]``
             pass 2; rows must be contiguous (``stride(-1) == 1``), the other strides are
             free (a view of a ``(2N, V)`` tensor or a slice along N is read in place).
-        target: ``(N,)`` integer class ids, each in ``[0, V)`` (not checked: that would
-            synchronise with the device; an id out of range reads out of bounds).
+        target: ``(N,)`` integer class ids, each in ``[0, V)`` where ``keep`` is true (not
+            checked: that would synchronise with the device; an id out of range there reads
+            out of bounds). Where ``keep`` is false the id is never used.
+        keep: optional ``(N,)`` bool, False for rows that count nowhere (padding): their
+            statistics and gradient are 0, whatever their scores hold (inf, nan).
         from_logits: True if ``scores`` are logits (log_softmax is folded in), False if
             they are log-probabilities already.
         pcoef: coefficient of ``p`` in the gradient from the task loss, ``c1 + eps_i * V``
@@ -83,6 +90,10 @@ def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
         h: weight of each KL direction (``alpha / 2``).
         eps_i: weight of ``smooth`` (label smoothing per class).
         c1: weight of ``nll``.
+        need_grad: False: no gradient is computed nor allocated (``grad`` is None).
+        out: a ``(2, N, V)`` tensor of the dtype of ``scores`` (rows contiguous) for the
+            gradient instead of a new one; it may be ``scores`` itself (each chunk is read
+            before its gradient is written).
 
     Returns ``(grad, stats)``: ``grad`` is ``(2, N, V)`` contiguous in the dtype of
     ``scores``, the gradient of ``total`` (unmasked; in float16 multiplied by a power of
@@ -98,20 +109,31 @@ def rdrop_rows_triton(scores, target, *, from_logits, pcoef, h, eps_i, c1):
         raise ImportError("rdrop_rows_triton needs triton (pip install triton)")
     _check_inputs(scores, target)
     _, n, vocab = scores.shape
-    grad = torch.empty((2, n, vocab), dtype=scores.dtype, device=scores.device)
+    if keep is None:
+        keep = torch.ones(n, dtype=torch.bool, device=scores.device)
+    if keep.shape != (n,) or keep.dtype != torch.bool or keep.device != scores.device:
+        raise ValueError(f"keep must be ({n},) bool on {scores.device}, got {keep.dtype} "
+                         f"{tuple(keep.shape)} on {keep.device}")
+    grad = None
+    if need_grad:
+        grad = out if out is not None else torch.empty(scores.shape, dtype=scores.dtype,
+                                                       device=scores.device)
+        if grad.shape != scores.shape or grad.dtype != scores.dtype or grad.stride(-1) != 1:
+            raise ValueError("out must have the shape and dtype of scores, rows contiguous")
     stats = torch.empty((5, n), dtype=torch.float32, device=scores.device)
     if n == 0:
         return grad, stats
+    g = grad if need_grad else scores  # never written without NEED_GRAD
     block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
     num_warps = max(1, block_v // COLUMNS_PER_WARP)  # 1 to 16
     # Triton launches on the current device, which need not be that of the tensors
     with torch.cuda.device(scores.device) if scores.is_cuda else contextlib.nullcontext():
         _rdrop_rows_kernel[(n,)](
             scores, scores.stride(0), scores.stride(1), target, target.stride(0),
-            grad, grad.stride(0), grad.stride(1), stats, n, vocab,
-            float(pcoef), float(h), float(eps_i), float(c1), FP16_TARGET_MAX,
+            keep.view(torch.uint8), keep.stride(0), g, g.stride(0), g.stride(1), stats, n,
+            vocab, float(pcoef), float(h), float(eps_i), float(c1), FP16_TARGET_MAX,
             FROM_LOGITS=bool(from_logits), ROW_SCALE=scores.dtype == torch.float16,
-            BLOCK_V=block_v, num_warps=num_warps,
+            NEED_GRAD=bool(need_grad), BLOCK_V=block_v, num_warps=num_warps,
             enable_fp_fusion=True,  # FMA as in CUDA code; explicit, as Triton 3.9 asks
         )
     return grad, stats
@@ -166,10 +188,10 @@ if triton is not None:
 
     @triton.jit
     def _rdrop_rows_kernel(
-        s_ptr, stride_pass, stride_row, t_ptr, stride_t, g_ptr, g_stride_pass, g_stride_row,
-        stats_ptr, n, vocab,
+        s_ptr, stride_pass, stride_row, t_ptr, stride_t, k_ptr, stride_k, g_ptr,
+        g_stride_pass, g_stride_row, stats_ptr, n, vocab,
         pcoef, h, eps_i, c1, target_max, FROM_LOGITS: tl.constexpr, ROW_SCALE: tl.constexpr,
-        BLOCK_V: tl.constexpr,
+        NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
         # int64 row offsets: N * V can exceed 2**31 (the strides come as int64 then)
         row = tl.program_id(0).to(tl.int64)
@@ -178,32 +200,45 @@ if triton is not None:
         ga_ptr = g_ptr + row * g_stride_row
         gb_ptr = ga_ptr + g_stride_pass
         cols0 = tl.arange(0, BLOCK_V)
+        kept = tl.load(k_ptr + row * stride_k) != 0
+        # a padding row sweeps nothing (its loops run 0 times) and only writes zeros
+        active = tl.where(kept, vocab, 0)
         t = tl.load(t_ptr + row * stride_t)
+        # the target's scores, read before any gradient is written (it may overwrite them)
+        x_t = tl.load(a_ptr + t, mask=kept, other=0.0).to(tl.float32)
+        y_t = tl.load(b_ptr + t, mask=kept, other=0.0).to(tl.float32)
 
-        # sweep 1: online log-sum-exp of both rows. The running max starts at a finite
-        # floor so that exp(m_old - m_new) is never exp(-inf + inf) = nan when a row (or
-        # its first chunks) is all -inf (masked logits); masked columns load as -inf.
+        # sweep 1: online log-sum-exp of both rows. exp() is taken relative to a finite
+        # shift (0 while the running max is -inf), so a row or chunk entirely -inf adds 0,
+        # and finfo.min-masked rows work; masked columns load as -inf.
         if FROM_LOGITS:
-            m_a = tl.full((), -3.0e38, tl.float32)
-            m_b = tl.full((), -3.0e38, tl.float32)
+            m_a = tl.full((), float("-inf"), tl.float32)
+            m_b = tl.full((), float("-inf"), tl.float32)
             s_a = tl.zeros((), tl.float32)
             s_b = tl.zeros((), tl.float32)
-            for start in range(0, vocab, BLOCK_V):
+            for start in range(0, active, BLOCK_V):
                 cols = start + cols0
                 mask = cols < vocab
                 x = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
                 y = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
                 new_a = tl.maximum(m_a, tl.max(x, axis=0))
                 new_b = tl.maximum(m_b, tl.max(y, axis=0))
-                s_a = s_a * tl.exp(m_a - new_a) + tl.sum(tl.exp(x - new_a), axis=0)
-                s_b = s_b * tl.exp(m_b - new_b) + tl.sum(tl.exp(y - new_b), axis=0)
+                shift_a = tl.where(new_a == float("-inf"), 0.0, new_a)
+                shift_b = tl.where(new_b == float("-inf"), 0.0, new_b)
+                s_a = s_a * tl.exp(m_a - shift_a) + tl.sum(tl.exp(x - shift_a), axis=0)
+                s_b = s_b * tl.exp(m_b - shift_b) + tl.sum(tl.exp(y - shift_b), axis=0)
                 m_a = new_a
                 m_b = new_b
-            lse_a = m_a + tl.log(s_a)
-            lse_b = m_b + tl.log(s_b)
+            # log-probability = (x - m) - log s: exact x - m, whatever the logits' scale
+            m_a = tl.where(m_a == float("-inf"), 0.0, m_a)
+            m_b = tl.where(m_b == float("-inf"), 0.0, m_b)
+            log_s_a = tl.log(s_a)
+            log_s_b = tl.log(s_b)
         else:
-            lse_a = tl.zeros((), tl.float32)
-            lse_b = tl.zeros((), tl.float32)
+            m_a = tl.zeros((), tl.float32)
+            m_b = tl.zeros((), tl.float32)
+            log_s_a = tl.zeros((), tl.float32)
+            log_s_b = tl.zeros((), tl.float32)
 
         # sweep 2: both KL directions and the sums of the log-probabilities; from
         # log-probabilities also the gradient, which needs no KL there (see sweep 3)
@@ -213,10 +248,11 @@ if triton is not None:
         sum_b = tl.zeros((), tl.float32)
         big_a = tl.zeros((), tl.float32)  # max pa |d|, max pb |d|: for the fp16 scale
         big_b = tl.zeros((), tl.float32)
-        for start in range(0, vocab, BLOCK_V):
+        for start in range(0, active, BLOCK_V):
             cols = start + cols0
             mask = cols < vocab
-            la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b)
+            la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, m_a, log_s_a, m_b,
+                                            log_s_b)
             # 0 log(0/q) = 0 for a class ruled out by one pass only (0 * inf would be nan;
             # the other direction is then +inf, as it should)
             kl_pq += tl.sum(tl.where(pa == 0.0, 0.0, pa * d), axis=0)
@@ -226,13 +262,13 @@ if triton is not None:
             if ROW_SCALE:
                 big_a = tl.maximum(big_a, tl.max(tl.where(pa == 0.0, 0.0, pa * tl.abs(d)), 0))
                 big_b = tl.maximum(big_b, tl.max(tl.where(pb == 0.0, 0.0, pb * tl.abs(d)), 0))
-            if not FROM_LOGITS and not ROW_SCALE:
+            if NEED_GRAD and not FROM_LOGITS and not ROW_SCALE:
                 # d/dla KL(p||q) = p (1 + d), d/dla KL(q||p) = -q
                 _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, h, h, h, eps_i, c1, 1.0)
-        la_t = tl.load(a_ptr + t).to(tl.float32) - lse_a
-        lb_t = tl.load(b_ptr + t).to(tl.float32) - lse_b
-        tl.store(stats_ptr + row, -(la_t + lb_t))
-        tl.store(stats_ptr + n + row, -(sum_a + sum_b))
+        la_t = (x_t - m_a) - log_s_a
+        lb_t = (y_t - m_b) - log_s_b
+        tl.store(stats_ptr + row, tl.where(kept, -(la_t + lb_t), 0.0))
+        tl.store(stats_ptr + n + row, tl.where(kept, -(sum_a + sum_b), 0.0))
         tl.store(stats_ptr + 2 * n + row, kl_pq)
         tl.store(stats_ptr + 3 * n + row, kl_qp)
 
@@ -252,22 +288,33 @@ if triton is not None:
             bound = tl.maximum(bound + h + eps_i + tl.abs(c1), 1.0e-30)
             exponent = tl.minimum(tl.maximum(tl.floor(tl.log2(target_max / bound)), -24.0), 24.0)
             scale = tl.exp2(exponent)
-            tl.store(stats_ptr + 4 * n + row, tl.exp2(-exponent))
+            tl.store(stats_ptr + 4 * n + row, tl.where(kept, tl.exp2(-exponent), 1.0))
         else:
             tl.store(stats_ptr + 4 * n + row, 1.0)
-        if FROM_LOGITS or ROW_SCALE:
-            for start in range(0, vocab, BLOCK_V):
+        if NEED_GRAD:
+            if FROM_LOGITS or ROW_SCALE:
+                for start in range(0, active, BLOCK_V):
+                    cols = start + cols0
+                    mask = cols < vocab
+                    la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, m_a, log_s_a,
+                                                    m_b, log_s_b)
+                    _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h,
+                                eps_i, c1, scale)
+            # a padding row's gradient is 0
+            for start in range(0, vocab - active, BLOCK_V):
                 cols = start + cols0
                 mask = cols < vocab
-                la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b)
-                _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h,
-                            eps_i, c1, scale)
+                zero = tl.zeros((BLOCK_V,), tl.float32).to(ga_ptr.dtype.element_ty)
+                tl.store(ga_ptr + cols, zero, mask=mask)
+                tl.store(gb_ptr + cols, zero, mask=mask)
 
     @triton.jit
-    def _load_chunk(a_ptr, b_ptr, cols, mask, lse_a, lse_b):
+    def _load_chunk(a_ptr, b_ptr, cols, mask, m_a, log_s_a, m_b, log_s_b):
         """la, lb, d = la - lb, pa, pb of one chunk (columns past V: -inf, d = 0)."""
-        la = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_a
-        lb = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) - lse_b
+        x = tl.load(a_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        y = tl.load(b_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        la = (x - m_a) - log_s_a
+        lb = (y - m_b) - log_s_b
         # -inf - (-inf) would be nan: a class ruled out by both passes counts 0; a nan
         # input still gives nan
         d = tl.where(la == lb, 0.0, la - lb)

@@ -84,8 +84,11 @@ def reference(scores, target=None, alpha=0.0, epsilon=0.0, ignore_index=None, ke
     onehot = F.one_hot(target.reshape(-1), v).double()
     eps_i = epsilon / (v - 1) if v > 1 else 0.0
     q = (1.0 - epsilon - eps_i) * onehot + eps_i
-    loss = ((-(q * lp1).sum(-1) - (q * lp2).sum(-1)) * w).sum()
-    nll = ((-(onehot * lp1).sum(-1) - (onehot * lp2).sum(-1)) * w).sum()
+    def dot(weights, lp):  # sum_v weights_v lp_v, with 0 * log 0 = 0 (a class ruled out)
+        return torch.where(weights == 0, 0.0, weights * lp).sum(-1)
+
+    loss = ((-dot(q, lp1) - dot(q, lp2)) * w).sum()
+    nll = ((-dot(onehot, lp1) - dot(onehot, lp2)) * w).sum()
     return loss + alpha * kl, loss, nll, kl
 
 
@@ -436,7 +439,7 @@ def test_op_count_grows_with_chunks_only():
     ops = _dispatch(logits, target, alpha=5.0, epsilon=0.1, ignore_index=PAD, chunk_mb=256.0)
     per_chunk_and_fixed = ops.total
     assert ops.n_syncing == 0
-    assert per_chunk_and_fixed <= 25 * 4 + 40, ops.by_op
+    assert per_chunk_and_fixed <= 26 * 4 + 45, ops.by_op
 
 
 def test_no_full_size_float32_temporaries_for_half_scores():
@@ -492,8 +495,9 @@ def test_bad_arguments_raise_clear_errors():
     for alpha in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="alpha"):
             rdrop_loss(scores, target, alpha=alpha)
-    with pytest.raises(ValueError, match="epsilon"):
-        rdrop_loss(scores, target, epsilon=1.0)
+    for epsilon in (-0.1, 1.01, float("nan")):
+        with pytest.raises(ValueError, match="epsilon"):
+            rdrop_loss(scores, target, epsilon=epsilon)
     with pytest.raises(ValueError, match="impl"):
         rdrop_loss(scores, target, impl="cuda")
     with pytest.raises(RDropBatchError):
@@ -665,3 +669,162 @@ def test_core_imports_without_fairseq():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("OK")
+
+
+# --------------------------------------------------- 9. edges (issue 19, items 1-4, 7, 8)
+
+
+@pytest.fixture
+def cuda_like_cpu_autocast():
+    """CPU autocast with CUDA's fp16 list for matrix-vector products: CUDA autocast runs
+    ``mv``/``addmv`` in fp16, CPU autocast leaves them in fp32. Registered for the test only."""
+    lib = torch.library.Library("aten", "IMPL")
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def lowered(op):
+        def run(*args, **kwargs):
+            low = torch.get_autocast_dtype("cpu")
+            args = [a.to(low) if torch.is_tensor(a) and a.is_floating_point() else a
+                    for a in args]
+            with torch._C._ExcludeDispatchKeyGuard(keys):
+                return op(*args, **kwargs)
+        return run
+
+    lib.impl("mv", lowered(torch.mv), "AutocastCPU")
+    lib.impl("addmv", lowered(torch.addmv), "AutocastCPU")
+    yield
+    lib._destroy()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+def test_per_row_sums_are_float32_under_autocast(mode, epsilon, cuda_like_cpu_autocast):
+    """fairseq's --amp runs the criterion under autocast: the sums over rows (~1e6 for a
+    smoothing sum at V = 32k) must not be taken in fp16 (inf / nan), nor returned in it."""
+    n, v = 8, 32000
+    scores, target = make_batch(n, v, seed=200, mode=mode, scale=1.0)
+    x = (scores * 30).float() if mode == "logits" else scores.float()
+    kw = dict(alpha=5.0, epsilon=epsilon, ignore_index=PAD)
+    want = reference(x, target, mode=mode, **kw)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, grad = ours_with_grad(x, target, mode, **kw)
+    for got, expected in zip(out, want):
+        assert got.dtype == torch.float32 and torch.isfinite(got), got
+        close(got, expected, rtol=1e-5, atol=1e-3)
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["torch", "auto"])
+def test_per_row_sums_are_float32_under_cuda_autocast(impl):
+    n, v = 64, 32000
+    scores, target = make_batch(n, v, seed=201, scale=30.0)
+    x = scores.float().cuda().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = rdrop_loss(x, target.cuda(), alpha=5.0, epsilon=0.1, ignore_index=PAD, impl=impl)
+    out.total.backward()
+    for got, expected in zip(out, reference(scores.float(), target, 5.0, 0.1, PAD)):
+        assert got.dtype == torch.float32 and torch.isfinite(got)
+        close(got.cpu(), expected, rtol=1e-4, atol=1e-2)
+    assert torch.isfinite(x.grad).all()
+
+
+def masked_class_batch(n=5, v=9, seed=202):
+    """Logits of two passes with classes 2 and 5 at -inf in both passes (never targets)."""
+    scores, target = make_batch(n, v, seed=seed)
+    scores[:, [2, 5]] = -float("inf")
+    target[(target == 2) | (target == 5)] = 0
+    return scores, target
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_class_masked_to_minus_inf_in_both_passes(mode):
+    """From logits too: no -inf - (-inf) in the KL; the masked classes get gradient 0."""
+    logits, target = masked_class_batch()
+    scores = logits if mode == "logits" else F.log_softmax(logits, -1)
+    kw = dict(alpha=5.0, epsilon=0.0, ignore_index=PAD)
+    out, grad = ours_with_grad(scores, target, mode, **kw)
+    want, want_grad = reference_with_grad(scores, target, mode, **kw)
+    for got, expected in zip(out, want):
+        close(got, expected)
+    assert torch.isfinite(grad).all() and (grad[:, [2, 5]] == 0).all()
+    keep = torch.ones(9, dtype=torch.bool)
+    keep[[2, 5]] = False
+    close(grad[:, keep], want_grad[:, keep])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_no_smoothing_with_minus_inf_log_probs_is_finite_like_fairseq(mode, alpha):
+    """eps = 0 (cross_entropy, sentence_prediction): a -inf log-prob must not give 0 * inf;
+    the loss is what fairseq's cross_entropy / sentence_prediction compute, F.nll_loss."""
+    logits, target = masked_class_batch(seed=203)
+    scores = logits if mode == "logits" else F.log_softmax(logits, -1)
+    out, grad = ours_with_grad(scores, target, mode, alpha=alpha, epsilon=0.0,
+                               ignore_index=PAD)
+    both = target.repeat(2)
+    fairseq_loss = F.nll_loss(F.log_softmax(logits, -1), both, ignore_index=PAD,
+                              reduction="sum")
+    assert torch.isfinite(fairseq_loss)
+    close(out.loss, fairseq_loss)
+    close(out.nll, fairseq_loss)
+    assert torch.isfinite(out.total) and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_non_finite_values_in_excluded_rows_reach_nothing(mode, bad):
+    """Padding rows are masked, not weighted by 0: a model that never predicts <pad> may
+    give inf there (or a row entirely -inf); kept rows' values and gradient are unchanged,
+    the excluded rows' gradient is 0."""
+    n, v, n_pad = 6, 10, 2
+    scores, target = make_batch(n, v, seed=204, n_pad=n_pad, mode=mode)
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[0] = False  # excluded by the mask rather than by padding
+    pad_rows = torch.tensor([0, n - 2, n - 1, n, 2 * n - 2, 2 * n - 1])
+    changed = scores.clone()
+    changed[pad_rows[:3], 3] = bad
+    changed[pad_rows[3:]] = bad  # entire rows
+    kw = dict(alpha=5.0, epsilon=0.1, ignore_index=PAD, keep=keep)
+    out, grad = ours_with_grad(changed, target, mode, **kw)
+    want, want_grad = reference_with_grad(scores, target, mode, **kw)
+    for got, expected in zip(out, want):
+        close(got, expected)
+    kept = ~torch.isin(torch.arange(2 * n), pad_rows)
+    close(grad[kept], want_grad[kept])
+    assert (grad[pad_rows] == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ignore_index", [-100, 10**9])
+def test_ignore_index_outside_the_vocabulary(mode, ignore_index):
+    """Like F.cross_entropy's default -100: accepted, the rows count nowhere."""
+    n, v = 5, 8
+    scores, target = make_batch(n, v, seed=205, n_pad=2, mode=mode)
+    target[target == PAD] = ignore_index
+    kw = dict(alpha=2.0, epsilon=0.1, ignore_index=ignore_index)
+    out, grad = ours_with_grad(scores, target, mode, **kw)
+    clean = target.clone()
+    clean[clean == ignore_index] = 0
+    keep = target != ignore_index
+    want, want_grad = reference_with_grad(scores, clean, mode, alpha=2.0, epsilon=0.1,
+                                          keep=keep)
+    for got, expected in zip(out, want):
+        close(got, expected)
+    close(grad, want_grad)
+    lprobs = F.log_softmax(scores, -1) if mode == "logits" else scores
+    close(out.nll, F.nll_loss(lprobs, target.repeat(2), ignore_index=ignore_index,
+                              reduction="sum"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_label_smoothing_one(mode):
+    """epsilon = 1 (fairseq's parent accepts it): the smoothed target puts no mass on t."""
+    scores, target = make_batch(4, 7, seed=206, n_pad=1, mode=mode)
+    kw = dict(alpha=1.0, epsilon=1.0, ignore_index=PAD)
+    out, grad = ours_with_grad(scores, target, mode, **kw)
+    want, want_grad = reference_with_grad(scores, target, mode, **kw)
+    for got, expected in zip(out, want):
+        close(got, expected)
+    close(grad, want_grad)

@@ -509,6 +509,19 @@ def test_unknown_or_unavailable_impl_is_rejected_naming_the_flag(case, monkeypat
         case.ours(alpha=1.0, rdrop_impl="triton")
 
 
+def test_triton_impl_without_cuda_is_refused_when_the_criterion_is_built(monkeypatch):
+    """Not at the first step (issue 20): without a GPU and without Triton's interpreter."""
+    pytest.importorskip("triton")
+    case = translation_case()
+    case.build_model(dropout=0.1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--rdrop-impl triton needs a CUDA GPU"):
+        case.ours(alpha=1.0, rdrop_impl="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the tests' interpreter stays usable
+    assert case.ours(alpha=1.0, rdrop_impl="triton").rdrop_impl == "triton"
+
+
 @pytest.mark.parametrize("chunk_mb", [1e-6, 0.0])
 def test_chunk_size_changes_no_result(case, chunk_mb):
     """One row pair per chunk or the automatic size: the same loss and gradients."""
@@ -695,3 +708,19 @@ def test_fairseq_trainer_dummy_batch_gives_zero_gradient(name):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(g.abs().sum() == 0 for g in grads)
     assert trainer.get_num_updates() == 2
+
+
+def test_label_smoothing_one_is_the_fairseq_parent_on_the_doubled_batch():
+    """--label-smoothing 1.0, which fairseq's parent supports: the two-pass task loss and its
+    gradient are the parent's on [x; x] (issue 19, item 8)."""
+    case = translation_case()
+    model = case.build_model(dropout=0.2)
+    model.train()
+    sample = case.make_sample()
+    loss, _, logs, grads = run(case.ours(alpha=0.0, two_passes=True, label_smoothing=1.0),
+                               model, sample)
+    p_loss, _, p_logs, p_grads = run(case.parent(label_smoothing=1.0), model, doubled(sample))
+    torch.testing.assert_close(loss.reshape(()), p_loss.reshape(()), rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, p_grads, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close((logs["nll_loss"] * 2).reshape(()),
+                               p_logs["nll_loss"].reshape(()), rtol=1e-5, atol=1e-6)

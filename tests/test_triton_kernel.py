@@ -343,6 +343,81 @@ def test_empty_batch(kernel):
     assert grad.shape == (2, 0, 10) and stats.shape == (5, 0)
 
 
+# ------------------------------------------------------- edges (issue 19, items 4-7, C)
+
+
+@pytest.mark.parametrize("offset,spread", [(1e6, 10.0), (-1e7, 30.0), (-1e9, 100.0)])
+def test_precision_at_large_logits(kernel, offset, spread):
+    """log p = (x - m) - log s keeps the precision of x - m: x - (m + log s) lost it as the
+    logits grew (m + log s rounds at the scale of m)."""
+    base, target = make_scores(3, 200, seed=30, from_logits=True, dtype=torch.float64)
+    scores = (base * spread / 3.0 + offset).float()  # the reference reads the same fp32
+    check(kernel, scores, target, True, *settings(200)["label_smoothing"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_classes_and_rows_masked_with_finfo_min(kernel, dtype):
+    """A mask value of finfo(dtype).min (below the old running-max floor): one class per row,
+    and one kept row pair entirely (a uniform distribution)."""
+    scores, target = make_scores(4, 40, seed=31, from_logits=True, dtype=dtype)
+    low = torch.finfo(dtype).min
+    scores[:, :, 7] = low
+    scores[:, 2] = low
+    target[target == 7] = 0
+    # no smoothing (cross_entropy_rdrop): the smoothing sum of a row, -2 * finfo.min,
+    # overflows float32 (as it would in fairseq), and is not compared
+    grad, stats = kernel(scores, target, from_logits=True, pcoef=1.0, h=2.5, eps_i=0.0, c1=1.0)
+    ref_grad, ref_stats = reference(scores, target, True, 2.5, 0.0, 1.0)
+    for k in (0, 2, 3):
+        torch.testing.assert_close(stats[k].double(), ref_stats[k], **STATS_TOL)
+    assert torch.isfinite(grad).all()
+    torch.testing.assert_close(grad.double(), ref_grad.to(dtype).double(), **GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("from_logits", [True, False], ids=["logits", "lprobs"])
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_excluded_rows_are_not_read(kernel, from_logits, bad):
+    """keep = False: statistics and gradient 0 whatever the row holds (an entire -inf row,
+    an inf, a nan) and whatever its target id (-100, 1e9: never used)."""
+    scores, target = make_scores(5, 30, seed=32, from_logits=from_logits, dtype=torch.float32)
+    keep = torch.tensor([True, False, True, True, False])
+    changed = scores.clone()
+    changed[:, 1] = bad
+    changed[0, 4, 3] = bad
+    target[1], target[4] = -100, 10**9
+    coef = dict(zip(["pcoef", "h", "eps_i", "c1"], settings(30)["label_smoothing"]))
+    grad, stats = kernel(changed, target, keep, from_logits=from_logits, **coef)
+    ref_grad, ref_stats = reference(scores[:, keep], target[keep], from_logits,
+                                    coef["h"], coef["eps_i"], coef["c1"])
+    torch.testing.assert_close(stats[:4, keep].double(), ref_stats, **STATS_TOL)
+    torch.testing.assert_close(grad[:, keep].double(), ref_grad, **GRAD_TOL[torch.float32])
+    assert (grad[:, ~keep] == 0).all() and (stats[:4, ~keep] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("from_logits", [True, False], ids=["logits", "lprobs"])
+def test_no_gradient_without_need_grad(kernel, dtype, from_logits):
+    scores, target = make_scores(3, 50, seed=33, from_logits=from_logits, dtype=dtype)
+    coef = dict(zip(["pcoef", "h", "eps_i", "c1"], settings(50)["label_smoothing"]))
+    grad, stats = kernel(scores, target, from_logits=from_logits, need_grad=False, **coef)
+    _, want = kernel(scores, target, from_logits=from_logits, **coef)
+    assert grad is None
+    torch.testing.assert_close(stats, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("from_logits", [True, False], ids=["logits", "lprobs"])
+def test_gradient_written_into_the_scores(kernel, dtype, from_logits):
+    """out=scores: each chunk (and the target's score) is read before it is overwritten."""
+    scores, target = make_scores(3, 5000, seed=34, from_logits=from_logits, dtype=dtype)
+    coef = dict(zip(["pcoef", "h", "eps_i", "c1"], settings(5000)["label_smoothing"]))
+    want_grad, want_stats = kernel(scores, target, from_logits=from_logits, **coef)
+    buffer = scores.clone()
+    grad, stats = kernel(buffer, target, from_logits=from_logits, out=buffer, **coef)
+    torch.testing.assert_close(stats, want_stats, rtol=0, atol=0)
+    torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------- 3. errors
 
 

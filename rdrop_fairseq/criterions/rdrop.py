@@ -7,6 +7,7 @@ parent unchanged.
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,13 @@ class RDropMixin:
                 raise ValueError(
                     "--rdrop-impl triton needs the triton package (pip install triton; it "
                     "ships with torch's CUDA wheels); use --rdrop-impl auto or torch"
+                )
+            # refused here rather than at the first step (which would leave a crash.pt);
+            # Triton's interpreter runs the kernel on CPU tensors, for the tests
+            if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(
+                    "--rdrop-impl triton needs a CUDA GPU, and none is available: use "
+                    "--rdrop-impl auto (the torch implementation on CPU) or torch"
                 )
         self.rdrop_alpha = alpha
         self.rdrop_two_passes = bool(rdrop_two_passes)
