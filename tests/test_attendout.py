@@ -681,3 +681,24 @@ checkpoint: {{save_dir: {tmp_path / 'ckpt'}, no_epoch_checkpoints: true}}
                "--config-name", "attendout", f"hydra.run.dir={tmp_path / 'hydra'}"], tmp_path)
     assert log.count("AttendOut pruning step") == 2
     assert (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["--fp16", "--amp", "--bf16"])
+def test_cuda_mixed_precision_run_ends_with_defender_equal_to_attacker(data, tmp_path,
+                                                                      precision):
+    """On a GPU: fp16 (fairseq's flat fp32 masters), AMP and bf16 training; the last update
+    is a pruning step, so the saved defender equals the saved attacker."""
+    cmd = train_cmd(data, tmp_path, precision, max_update=8)
+    cmd.remove("--cpu")
+    if precision == "--bf16":  # fairseq-train's --bf16 means TPU; hydra's common.bf16 not
+        pytest.skip("--bf16 on fairseq-train implies --tpu (tests/test_reliability.py)")
+    log = run(cmd, tmp_path)
+    assert log.count("AttendOut pruning step") == 2
+    state = load(tmp_path / "checkpoint_last.pt")["model"]
+    for key, value in state.items():
+        if key.startswith(("encoder.", "classification_heads.")) and "version" not in key:
+            assert torch.equal(value, state["defender." + key]), key
+    assert all(torch.isfinite(v).all() for v in state.values() if torch.is_tensor(v)
+               and v.is_floating_point())
