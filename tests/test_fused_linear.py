@@ -1,0 +1,199 @@
+"""The fused linear + R-Drop loss (rdrop_fairseq.fused_linear) against the formula.
+
+The reference is the loss written out in float64 from explicit logits (the paper's
+definition: label-smoothed NLL of both passes + alpha/2 (KL(P1||P2) + KL(P2||P1)), padding
+excluded), differentiated by autograd; tiny chunk budgets force many chunks."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
+from rdrop_fairseq.opcount import count_ops
+
+B, T, D, V, PAD = 3, 7, 16, 97, 1
+
+
+def reference(features, weight, bias, target, alpha, eps, keep):
+    """The loss from the definition, float64, on explicit logits."""
+    logits = F.linear(features.double(), weight.double(),
+                      None if bias is None else bias.double())
+    lp = logits.log_softmax(-1)
+    la, lb = lp.chunk(2)
+    t = target.unsqueeze(-1)
+    nll = -(la.gather(-1, t) + lb.gather(-1, t)).squeeze(-1)
+    smooth = -(la.sum(-1) + lb.sum(-1))
+    eps_i = eps / (V - 1)
+    loss = (1 - eps - eps_i) * nll + eps_i * smooth
+    kl = 0.5 * ((la.exp() * (la - lb)).sum(-1) + (lb.exp() * (lb - la)).sum(-1))
+    keep = keep.double()
+    return ((loss + alpha * kl) * keep).sum(), (loss * keep).sum(), (kl * keep).sum()
+
+
+def inputs(dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    features = torch.randn(2 * B, T, D, generator=g).to(dtype).requires_grad_()
+    weight = (torch.randn(V, D, generator=g) * 0.3).to(dtype).requires_grad_()
+    b = (torch.randn(V, generator=g) * 0.1).to(dtype).requires_grad_() if bias else None
+    target = torch.randint(2, V, (B, T), generator=g)
+    target[1, 4:] = PAD
+    target[2, 6:] = PAD
+    return features, weight, b, target
+
+
+def assert_close(mine, theirs, rel=1e-5):
+    """Relative error of the whole tensor (its norm): 1e-5 is float32's reach for sums over
+    hundreds of rows; single entries near 0 can differ more, relative to themselves."""
+    err = (mine.double() - theirs.double()).norm() / theirs.double().norm()
+    assert err <= rel, err.item()
+
+
+def grads_of(total, tensors):
+    return torch.autograd.grad(total, [t for t in tensors if t is not None])
+
+
+@pytest.mark.parametrize("chunk_mb", [1e-4, 0.01, 0.0])  # 1 row pair per chunk .. all
+@pytest.mark.parametrize("bias", [True, False])
+def test_loss_and_every_gradient_equal_the_float64_formula(chunk_mb, bias):
+    features, weight, b, target = inputs(bias=bias)
+    keep = target.ne(PAD)
+    keep[0, :2] = False  # an ignored prefix, as --ignore-prefix-size
+    out = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=5.0, epsilon=0.1,
+                                  ignore_index=PAD, keep=keep, chunk_mb=chunk_mb)
+    ours = grads_of(out.total, (features, weight, b))
+    ref_total, ref_loss, ref_kl = reference(features, weight, b, target, 5.0, 0.1,
+                                            keep.reshape(-1).view(B, T))
+    refs = grads_of(ref_total, (features, weight, b))
+    assert out.total.dtype == torch.float32
+    for mine, theirs in [(out.total, ref_total), (out.loss, ref_loss), (out.kl, ref_kl)]:
+        assert math.isclose(mine.item(), theirs.item(), rel_tol=1e-5)
+    for mine, theirs in zip(ours, refs):
+        assert_close(mine, theirs)
+    # excluded rows: no gradient at all
+    assert not ours[0][:B][~keep].any() and not ours[0][B:][~keep].any()
+
+
+def test_equals_the_logits_path_of_the_core():
+    from rdrop_fairseq.core import rdrop_loss
+
+    features, weight, b, target = inputs()
+    predictions = torch.empty(2, B * T, dtype=torch.long)
+    fused = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, epsilon=0.1,
+                                    ignore_index=PAD, chunk_mb=1e-3, predictions=predictions)
+    logits = F.linear(features, weight, b)
+    plain = rdrop_loss(logits, target, alpha=1.0, epsilon=0.1, ignore_index=PAD)
+    for a, c in zip(fused, plain):
+        assert math.isclose(a.item(), c.item(), rel_tol=1e-6)
+    assert torch.equal(predictions, logits.argmax(-1).reshape(2, -1))
+    for a, c in zip(grads_of(fused.total, (features, weight, b)),
+                    grads_of(plain.total, (features, weight, b))):
+        assert_close(a, c)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_half_precision_models_within_the_measured_tolerance(dtype, tol):
+    """bf16 / fp16 features and weight (matmuls in that dtype, sums in float32) against the
+    float64 formula on the same rounded inputs: loss within 1e-3 relative; gradients within
+    ``tol`` (relative to their largest entry): bf16 ~8e-3, fp16 ~1e-3 measured."""
+    features, weight, b, target = inputs(dtype=dtype)
+    out = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=5.0, epsilon=0.1,
+                                  ignore_index=PAD, chunk_mb=1e-3)
+    ours = grads_of(out.total, (features, weight, b))
+    ref_total, _, _ = reference(features, weight, b, target, 5.0, 0.1, target.ne(PAD))
+    refs = grads_of(ref_total, (features, weight, b))
+    assert out.total.dtype == torch.float32
+    assert math.isclose(out.total.item(), ref_total.item(), rel_tol=1e-3)
+    for mine, theirs in zip(ours, refs):
+        assert mine.dtype == dtype
+        err = (mine.double() - theirs).abs().max() / theirs.abs().max()
+        assert err < tol, (dtype, err.item())
+
+
+def test_tied_weight_gets_the_gradient_of_both_uses():
+    """A weight tied with the input embedding: autograd adds the projection's gradient (ours)
+    to the embedding's, as with nn.Linear on explicit logits."""
+    from rdrop_fairseq.core import rdrop_loss
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(V, D)
+    tokens = torch.randint(2, V, (2 * B, T))
+    target = torch.randint(2, V, (B, T))
+    results = []
+    for fused in (True, False):
+        emb.zero_grad()
+        features = torch.tanh(emb(tokens))
+        if fused:
+            out = fused_linear_rdrop_loss(features, emb.weight, target, alpha=1.0,
+                                          chunk_mb=1e-3)
+        else:
+            out = rdrop_loss(F.linear(features, emb.weight), target, alpha=1.0)
+        out.total.backward()
+        results.append(emb.weight.grad.clone())
+    assert_close(results[0], results[1])
+
+
+def test_no_grad_computes_no_gradient_and_the_same_loss():
+    features, weight, b, target = inputs()
+    with torch.no_grad():
+        a = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
+    c = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
+    assert a.total.item() == pytest.approx(c.total.item(), rel=1e-6)
+    assert a.total.grad_fn is None
+
+
+class LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if torch.is_tensor(t):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_tensor_larger_than_a_chunk_or_the_weight_and_no_sync():
+    """The point of the fusion: nothing of size 2N x V; no host sync in forward + backward."""
+    n_tokens = B * T
+    features, weight, b, target = inputs()
+    with LargestTensor() as seen, count_ops() as ops:
+        out = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0,
+                                      ignore_index=PAD, chunk_mb=2 * 2 * V * 4 / 2**20)
+        out.total.backward()
+    assert seen.largest <= max(V * D, 2 * 2 * V, features.numel())
+    assert seen.largest < 2 * n_tokens * V
+    assert ops.n_syncing == 0, ops.syncing
+
+
+def test_bad_input_is_refused():
+    features, weight, b, target = inputs()
+    with pytest.raises(ValueError, match="alpha"):
+        fused_linear_rdrop_loss(features, weight, target, alpha=-1.0)
+    with pytest.raises(ValueError, match=r"weight must be \(V, 16\)"):
+        fused_linear_rdrop_loss(features, weight[:, :3], target)
+    with pytest.raises(ValueError, match="both passes"):
+        fused_linear_rdrop_loss(features[:5], weight, target)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_half_precision_equals_the_unfused_loss(dtype):
+    from rdrop_fairseq.core import rdrop_loss
+
+    features, weight, b, target = (t.cuda() if t is not None else None for t in inputs())
+    features = features.detach().to(dtype).requires_grad_()
+    weight = weight.detach().to(dtype).requires_grad_()
+    fused = fused_linear_rdrop_loss(features, weight, target, alpha=5.0, epsilon=0.1,
+                                    ignore_index=PAD)
+    plain = rdrop_loss(F.linear(features, weight), target, alpha=5.0, epsilon=0.1,
+                       ignore_index=PAD)
+    assert math.isclose(fused.total.item(), plain.total.item(), rel_tol=1e-3)
+    for a, c in zip(grads_of(fused.total, (features, weight)),
+                    grads_of(plain.total, (features, weight))):
+        assert ((a.float() - c.float()).abs().max() / c.float().abs().max()) < 2e-2
