@@ -114,7 +114,8 @@ def train_command(mode, seed, data_bin, encoder, save_dir, args):
            "--arch", "roberta_attendout" if attendout else "roberta", *MINILM_ARCH,
            "--criterion", "sentence_prediction_rdrop" if rdrop else "sentence_prediction",
            *(["--rdrop-alpha", str(args.alpha)] if rdrop else []),
-           *(["--attendout-interval", str(args.interval)] if attendout else []),
+           *(["--attendout-interval", str(args.interval),
+              "--attendout-generator-lr", str(args.generator_lr)] if attendout else []),
            "--num-classes", "2", "--init-token", "0", "--separator-token", "2",
            "--batch-size", str(args.batch_size), "--optimizer", "adam",
            "--adam-betas", "(0.9,0.98)", "--adam-eps", "1e-6", "--weight-decay", "0.1",
@@ -265,6 +266,8 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--alpha", type=float, default=1.0, help="R-Drop alpha")
     parser.add_argument("--interval", type=int, default=10, help="--attendout-interval T")
+    parser.add_argument("--generator-lr", type=float, default=5e-5,
+                        help="--attendout-generator-lr (the paper's 5e-5)")
     parser.add_argument("--max-tokens", type=int, default=62,
                         help="WordPieces kept per e-mail ([CLS] and [SEP] come on top)")
     parser.add_argument("--plot", default=str(REPO / "docs" / "img" / "attendout_spam.png"))

@@ -74,7 +74,7 @@ def test_committed_derivative_is_not_saturated_by_construction():
 
 def test_training_commands_of_the_four_modes(tmp_path):
     args = argparse.Namespace(
-        epochs=10, batch_size=16, lr=3e-5, alpha=1.0, interval=10)
+        epochs=10, batch_size=16, lr=3e-5, alpha=1.0, interval=10, generator_lr=5e-5)
     cmds = {mode: [str(c) for c in attendout_spam_check.train_command(
                 mode, 1, tmp_path / "bin", tmp_path / "enc", tmp_path / mode, args)]
             for mode in attendout_spam_check.MODES}
@@ -89,6 +89,7 @@ def test_training_commands_of_the_four_modes(tmp_path):
     assert value(cmds["attendout"], "--criterion") == "sentence_prediction"
     assert value(cmds["attendout_rdrop"], "--rdrop-alpha") == "1.0"
     assert value(cmds["attendout_rdrop"], "--arch") == "roberta_attendout"
+    assert value(cmds["attendout"], "--attendout-generator-lr") == "5e-05"
     for cmd in cmds.values():
         assert value(cmd, "--max-update") == "50" and "--reset-optimizer" in cmd
     (tmp_path / "baseline").mkdir()
