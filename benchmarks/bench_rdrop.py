@@ -6,12 +6,17 @@ R-Drop implementation must compute at least that. Methods:
 * ``floor``: ``label_smoothed_cross_entropy`` given ``[x; x]``;
 * ``upstream``: fairseq's ``label_smoothed_cross_entropy_with_rdrop`` (alpha 5);
 * ``ours-torch`` / ``ours-triton``: ``label_smoothed_cross_entropy_rdrop`` (alpha 5) with
-  ``--rdrop-impl torch`` / ``triton`` (triton: CUDA only).
+  ``--rdrop-impl torch`` / ``triton`` (triton: CUDA only);
+* ``ours-torch-separate`` (``loss`` only): ``ours-torch`` with the logits' gradient in a
+  buffer of its own (``grad_in_scores=False``) where the criterion writes it into the
+  logits (only with ``--projection``: leaf logits are never written).
 
 Two measurements, each method in a fresh subprocess (so that its peak memory is its own),
 all methods of a row in one run, so that the ratios compare like with like:
 
-* ``loss``: logits -> loss -> backward, N target tokens per pass (~20 % padding);
+* ``loss``: logits -> loss -> backward, N target tokens per pass (~20 % padding); with
+  ``--projection D`` the logits are made in every method by an output projection from
+  ``D``-dimensional features (counted in the peak), as in a decoder;
 * ``step``: a whole training step (forward, loss, backward) of a fairseq transformer
   through the real criteria (on CUDA in fp16 or bf16, as users train).
 
@@ -27,6 +32,8 @@ Usage::
 
     python benchmarks/bench_rdrop.py                       # CPU: loss at V = 10k/32k/50k, a step
     python benchmarks/bench_rdrop.py loss --vocab 32000 --tokens 4096 --threads 1
+    python benchmarks/bench_rdrop.py loss --vocab 32000 --tokens 4096 --threads 1 \
+        --projection 512 --methods floor ours-torch-separate ours-torch
     python benchmarks/bench_rdrop.py gpu --markdown gpu.md # the GPU benchmark (docs/benchmarks.md)
 """
 
@@ -50,6 +57,8 @@ CRITERION_ARGS = {
     "ours-triton": ["--criterion", "label_smoothed_cross_entropy_rdrop",
                     "--rdrop-alpha", str(ALPHA), "--rdrop-impl", "triton"],
 }
+# loss-mode variants of a criterion (not criterion options)
+LOSS_ONLY_METHODS = ("ours-torch-separate",)
 # a transformer_iwslt_de_en-shaped model small enough for CPU tests of a step's op count
 TINY_ARCH = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
              "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "16",
@@ -145,10 +154,12 @@ def _loss_fn(method, dtype, impl=None):
         from rdrop_fairseq.core import rdrop_loss
 
         impl = method.split("-")[1]
+        # as the criteria call it; "ours-torch-separate": the gradient in its own buffer
+        into = False if method.endswith("-separate") else "auto"
 
         def fn(logits, target):
             return rdrop_loss(logits, target, alpha=ALPHA, epsilon=EPS, ignore_index=PAD,
-                              impl=impl).total
+                              impl=impl, grad_in_scores=into).total
     return fn
 
 
@@ -190,21 +201,32 @@ class _Clock:
         return statistics.median(times[1:] or times)
 
 
-def run_loss(method, vocab, tokens, repeats, device="cpu", dtype="float32"):
+def run_loss(method, vocab, tokens, repeats, device="cpu", dtype="float32", projection=0):
     import torch
+    import torch.nn.functional as F
 
     from rdrop_fairseq.opcount import count_ops
 
     torch.manual_seed(0)
     target = torch.randint(2, vocab, (tokens,), device=device)
     target[torch.rand(tokens, device=device) < 0.2] = PAD  # ~20 % padding
-    logits = torch.randn(2 * tokens, vocab, device=device, dtype=getattr(torch, dtype),
-                         requires_grad=True)
     fn = _loss_fn(method, dtype)
+    if projection:  # logits made (and counted) in every method, as a decoder makes them
+        features = torch.randn(2 * tokens, projection, device=device,
+                               dtype=getattr(torch, dtype), requires_grad=True)
+        weight = (torch.randn(vocab, projection, device=device) / projection ** 0.5).to(
+            getattr(torch, dtype)).requires_grad_(True)
 
-    def step():
-        logits.grad = None
-        fn(logits, target).backward()
+        def step():
+            features.grad = weight.grad = None
+            fn(F.linear(features, weight), target).backward()
+    else:
+        logits = torch.randn(2 * tokens, vocab, device=device, dtype=getattr(torch, dtype),
+                             requires_grad=True)
+
+        def step():
+            logits.grad = None
+            fn(logits, target).backward()
 
     clock = _Clock(device)
     clock.reset_peak()
@@ -250,9 +272,12 @@ def _in_subprocess(kind, **kw):
 
 
 def _worker(kind, kw, env=None):
+    # the workers measure the rdrop_fairseq of this checkout, whatever is installed
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run(
         [sys.executable, __file__, "_worker", json.dumps({"kind": kind, **kw})],
-        capture_output=True, text=True, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path, **(env or {})},
     )
     if out.returncode:
         return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
@@ -305,7 +330,10 @@ def main():
     p.add_argument("--step-tokens", type=int, default=None, help="default 2048 (gpu: 4096)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--methods", nargs="+", default=None, choices=list(CRITERION_ARGS))
+    p.add_argument("--methods", nargs="+", default=None,
+                   choices=list(CRITERION_ARGS) + list(LOSS_ONLY_METHODS))
+    p.add_argument("--projection", type=int, default=0, metavar="D",
+                   help="loss: make the logits from D-dim features by an output projection")
     p.add_argument("--markdown", help="also write the tables to this file")
     a = p.parse_args()
     gpu = a.what == "gpu"
@@ -323,8 +351,11 @@ def main():
             for n in tokens:
                 for v in a.vocab:
                     for m in methods:
-                        rows.append((f"{dtype} V={v} N={n}", m, _in_subprocess(
-                            "loss", method=m, vocab=v, tokens=n, dtype=dtype, **common)))
+                        case = f"{dtype} V={v} N={n}" + (f" D={a.projection}"
+                                                             if a.projection else "")
+                        rows.append((case, m, _in_subprocess(
+                            "loss", method=m, vocab=v, tokens=n, dtype=dtype,
+                            projection=a.projection, **common)))
                         print(f"  loss {rows[-1][0]} {m}: {rows[-1][2]}", flush=True)
         out.append(_table("Loss alone: logits -> loss -> backward", rows))
     if a.what in ("step", "all", "gpu"):
@@ -335,7 +366,7 @@ def main():
         step_tokens = a.step_tokens or (4096 if gpu else 2048)
         step_dtype = "float16" if device == "cuda" else "float32"
         for arch in archs:
-            for m in methods:
+            for m in (m for m in methods if m in CRITERION_ARGS):
                 rows.append((f"{arch} {step_dtype} V={vocab} N={step_tokens}", m, _in_subprocess(
                     "step", method=m, vocab=vocab, tokens=step_tokens, arch=arch,
                     dtype=step_dtype, **common)))

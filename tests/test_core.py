@@ -828,3 +828,89 @@ def test_label_smoothing_one(mode):
     for got, expected in zip(out, want):
         close(got, expected)
     close(grad, want_grad)
+
+
+# ------------------------------------------ 10. the gradient written into the logits (D)
+
+
+def projected_logits(dtype=torch.float32, n=6, v=300, d=16, seed=210, bias=False):
+    """Logits made as a decoder's output layer makes them: F.linear on (B, T, d) features."""
+    g = gen(seed)
+    features = torch.randn(2, n // 2, d, generator=g).to(dtype).requires_grad_(True)
+    weight = (torch.randn(v, d, generator=g) * 0.5).to(dtype).requires_grad_(True)
+    b = torch.randn(v, generator=g).to(dtype).requires_grad_(True) if bias else None
+    target = torch.randint(2, v, (n // 2,), generator=g).view(1, -1)
+    target[0, -1] = PAD
+    return features, weight, b, target
+
+
+def grads_through_projection(grad_in_scores, dtype=torch.float32, bias=False, impl="torch",
+                             producer=None):
+    features, weight, b, target = projected_logits(dtype, bias=bias)
+    logits = F.linear(features, weight, b)
+    if producer is not None:
+        logits = producer(logits)
+    before = logits.detach().clone()
+    out = rdrop_loss(logits, target, alpha=5.0, epsilon=0.1, ignore_index=PAD,
+                     chunk_mb=mb_for(2, 300, logits), impl=impl, grad_in_scores=grad_in_scores)
+    overwritten = not torch.equal(logits.detach(), before)
+    out.total.backward()
+    params = [features, weight] + ([b] if bias else [])
+    return out, [p.grad for p in params], overwritten
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("grad_in_scores", ["auto", True])
+def test_gradient_into_the_logits_of_a_projection(bias, grad_in_scores):
+    """F.linear's output (UnsafeView/View of Mm/Addmm: neither saves its output) takes the
+    gradient in place; every parameter's gradient is that of the separate buffer."""
+    out, grads, overwritten = grads_through_projection(grad_in_scores, bias=bias)
+    want, want_grads, untouched = grads_through_projection(False, bias=bias)
+    assert overwritten and not untouched
+    for got, expected in zip(list(out) + grads, list(want) + want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_into_half_logits():
+    out, grads, overwritten = grads_through_projection("auto", dtype=torch.bfloat16)
+    want, want_grads, _ = grads_through_projection(False, dtype=torch.bfloat16)
+    assert overwritten
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("producer", [torch.exp, torch.tanh, lambda x: x * 2.0],
+                         ids=["exp", "tanh", "mul"])
+def test_producer_outside_the_allow_list_keeps_a_separate_buffer(producer):
+    """exp and tanh save their output for their backward: "auto" leaves it alone, and the
+    gradients are the float64 reference's."""
+    out, grads, overwritten = grads_through_projection("auto", producer=producer)
+    assert not overwritten
+    features, weight, _, target = projected_logits()
+    f64 = features.detach().double().requires_grad_(True)
+    w64 = weight.detach().double().requires_grad_(True)
+    ref = reference(producer(F.linear(f64, w64)), target, 5.0, 0.1, PAD)
+    ref[0].backward()
+    close(out.total, ref[0], rtol=1e-5, atol=1e-5)
+    close(grads[0], f64.grad, rtol=1e-4, atol=1e-5)
+    close(grads[1], w64.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_forcing_the_gradient_into_a_saved_output_raises_autograds_error():
+    """grad_in_scores=True on exp's output, which exp's backward reads: the write is an
+    in-place op autograd sees, so the backward raises instead of a wrong gradient."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grads_through_projection(True, producer=torch.exp)
+
+
+def test_gradient_into_scores_needs_a_graph():
+    scores, target = make_batch(3, 7, seed=211, dtype=torch.float32)
+    leaf = scores.clone().requires_grad_(True)
+    rdrop_loss(leaf, target, alpha=1.0, grad_in_scores=True).total.backward()
+    assert torch.equal(leaf.detach(), scores)  # a leaf (a parameter, say) is never written
+    with torch.no_grad():
+        x = scores.clone()
+        rdrop_loss(x, target, alpha=1.0, grad_in_scores=True)
+    assert torch.equal(x, scores)
+    with pytest.raises(ValueError, match="grad_in_scores"):
+        rdrop_loss(scores, target, grad_in_scores="yes")

@@ -12,12 +12,15 @@ Every criterion is exercised through the same checks:
 
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from fairseq import options
 from fairseq.criterions.adaptive_loss import AdaptiveLoss
@@ -724,3 +727,94 @@ def test_label_smoothing_one_is_the_fairseq_parent_on_the_doubled_batch():
     assert_grads_close(grads, p_grads, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close((logs["nll_loss"] * 2).reshape(()),
                                p_logs["nll_loss"].reshape(()), rtol=1e-5, atol=1e-6)
+
+
+def test_accuracy_is_read_before_the_gradient_overwrites_the_logits():
+    """The transformer's logits take the gradient in place (grad_in_scores="auto"): the
+    reported accuracy must be that of the logits, computed before."""
+    case = translation_case()
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample()
+    _, _, logs, _ = run(case.ours(alpha=5.0, report_accuracy=True), model, sample, seed=5)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        pair = doubled(sample)
+        predicted = model(**pair["net_input"])[0].argmax(-1)
+    mask = pair["target"].ne(case.task.target_dictionary.pad())
+    assert logs["n_correct"] == (predicted.eq(pair["target"]) & mask).sum() / 2
+
+
+def test_classification_accuracy_is_read_before_the_gradient_overwrites_the_logits():
+    case = CASES["classification"]()
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample()
+    _, _, logs, _ = run(case.ours(alpha=1.0), model, sample, seed=6)
+    torch.manual_seed(6)
+    with torch.no_grad():
+        pair = doubled(sample)
+        logits, _ = model(**pair["net_input"], features_only=True, classification_head_name=HEAD)
+    targets = pair["target"].view(-1)
+    assert logs["ncorrect"] == (logits.argmax(1) == targets).sum() / 2
+
+
+def test_log_prob_fallback_is_logged_once(caplog):
+    import types
+
+    case = CASES["translation"]()
+    model = case.build_model(dropout=0.3)
+    model.train()
+
+    def tempered(self, net_output, log_probs, sample=None):
+        return F.log_softmax(net_output[0].float() / 2.0, -1)
+
+    model.get_normalized_probs = types.MethodType(tempered, model)
+    criterion = case.ours(alpha=5.0)
+    with caplog.at_level(logging.INFO, logger="rdrop_fairseq.criterions.rdrop"):
+        for seed in range(3):
+            run(criterion, model, case.make_sample(), seed=seed)
+    assert sum("log-probabilities" in r.getMessage() for r in caplog.records) == 1
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages that ops allocate while active, and their peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages = set()
+
+    def _freed(self, key, nbytes):
+        self.live -= nbytes
+        self.storages.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self.storages:
+                storage = t.untyped_storage()
+                self.storages.add(storage.data_ptr())
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
+        return out
+
+
+@pytest.mark.parametrize("chunk_mb", [8.0, 32.0])
+def test_adaptive_chunk_stays_within_its_budget(chunk_mb):
+    """--rdrop-chunk-mb bounds the adaptive path too: forward and backward of the whole
+    loss (several chunks) allocate at most 1.2x the budget at any time (it took 2-2.5x)."""
+    from fairseq.modules.adaptive_softmax import AdaptiveSoftmax
+
+    from rdrop_fairseq.criterions.adaptive_loss_rdrop import adaptive_rdrop_loss
+
+    torch.manual_seed(0)
+    vocab, dim, n = 20000, 32, 512  # 2n x V float32 = 78 MiB in all
+    asm = AdaptiveSoftmax(vocab, dim, [2000, 8000], dropout=0.1)
+    features = torch.randn(2 * n, dim, requires_grad=True)
+    target = torch.randint(2, vocab, (n,)).repeat(2)
+    with LiveBytes() as memory:
+        total, _, _ = adaptive_rdrop_loss(asm, features, target, 1, 1.0, chunk_mb, "torch")
+        total.backward()
+    assert memory.peak <= 1.2 * chunk_mb * 2**20, memory.peak / 2**20

@@ -24,7 +24,7 @@ from fairseq.criterions import register_criterion
 from fairseq.criterions.adaptive_loss import AdaptiveLoss, AdaptiveLossConfig
 from torch.utils.checkpoint import checkpoint
 
-from ..core import chunk_rows_for, rdrop_loss
+from ..core import AUTO_CHUNK_MB, rdrop_loss
 from .rdrop import RDropConfig, RDropMixin
 
 
@@ -82,6 +82,18 @@ class AdaptiveLossRDrop(RDropMixin, AdaptiveLoss):
         cls.reduce_rdrop_metrics(logging_outputs)
 
 
+# float32 (2r, V) tensors that a chunk of r row pairs holds at its peak, in the forward of
+# full_log_prob: the log_softmax outputs of head and tails (kept for their backward), the
+# tails' sums with their cluster's head log-probability, and their concatenation; the
+# fused loss then writes its gradient into the latter and keeps its own temporaries within
+# a third of the budget. Measured at V = 20k with --rdrop-chunk-mb 2, 8 and 32: peaks of
+# 1.57x (the adaptive softmax's weight gradients dominate at 2 MiB), 1.14x and 1.03x the
+# budget (tests/test_criteria.py::test_adaptive_chunk_stays_within_its_budget); 3.0-3.6x
+# with one copy counted (and 2.0-2.5x before, when the fused loss had a buffer of its own
+# and the automatic chunk size).
+CHUNK_COPIES = 3
+
+
 def adaptive_rdrop_loss(adaptive_softmax, features, target, padding_idx, alpha,
                         chunk_mb=0.0, impl="auto"):
     """``(total, loss, kl)``: NLL of both passes, their symmetric KL over the full
@@ -91,19 +103,25 @@ def adaptive_rdrop_loss(adaptive_softmax, features, target, padding_idx, alpha,
     """
     n = features.size(0) // 2
     pairs = features.view(2, n, -1)
-    # full_log_prob holds about two copies of a chunk's log-probabilities (parts, then cat)
-    rows = max(1, chunk_rows_for(adaptive_softmax.vocab_size, features, chunk_mb) // 2)
+    if chunk_mb == 0:
+        chunk_mb = AUTO_CHUNK_MB["cuda" if features.is_cuda else "cpu"]
+    vocab = adaptive_softmax.vocab_size
+    rows = max(1, int(chunk_mb * 2**20) // (CHUNK_COPIES * 2 * vocab * 4))
     sums = []
     for x, t in zip(pairs.split(rows, 1), target[:n].split(rows)):
         sums.append(checkpoint(_chunk_loss, adaptive_softmax, x.reshape(-1, x.size(-1)), t,
-                               padding_idx, alpha, impl, use_reentrant=True))
+                               padding_idx, alpha, impl, chunk_mb / CHUNK_COPIES,
+                               use_reentrant=True))
     total, loss, kl = torch.stack(sums).sum(0).unbind()
     return total, loss.detach(), kl.detach()
 
 
-def _chunk_loss(adaptive_softmax, features, target, padding_idx, alpha, impl):
+def _chunk_loss(adaptive_softmax, features, target, padding_idx, alpha, impl, chunk_mb):
+    # the concatenated log-probabilities are read by nothing else (cat keeps no copy of its
+    # output for its backward): the fused loss writes their gradient into them
     out = rdrop_loss(full_log_prob(adaptive_softmax, features), target, alpha=alpha,
-                     ignore_index=padding_idx, log_probs=True, chunk_mb=0.0, impl=impl)
+                     ignore_index=padding_idx, log_probs=True, chunk_mb=chunk_mb, impl=impl,
+                     grad_in_scores=True)
     return torch.stack([out.total, out.loss, out.kl])
 
 

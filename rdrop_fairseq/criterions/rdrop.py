@@ -101,6 +101,7 @@ class RDropMixin:
         self.rdrop_chunk_mb = chunk_mb
         self.rdrop_impl = impl
         self._dropout_checked = False
+        self._fallback_logged = False
         if not self.rdrop_enabled:
             logger.warning(
                 "R-Drop is off (--rdrop-alpha 0 without --rdrop-two-passes): this criterion "
@@ -165,23 +166,32 @@ class RDropMixin:
         if uses_stock_log_softmax(model):
             scores, log_probs = net_output[0], False
         else:
+            if not self._fallback_logged:
+                self._fallback_logged = True
+                logger.info(
+                    "R-Drop: this model normalises its output itself, so the fused loss "
+                    "starts from its log-probabilities (float32, 2N x V) rather than logits"
+                )
             scores, log_probs = model.get_normalized_probs(net_output, log_probs=True), True
+        logging_output = {}
+        if getattr(self, "report_accuracy", False):
+            # before the loss, which may write the gradient into the logits' buffer
+            mask = target.ne(self.padding_idx) if keep is None else target.ne(self.padding_idx) & keep
+            predicted = scores.argmax(-1).view(2, *target.shape)
+            logging_output["n_correct"] = (predicted.eq(target) & mask).sum() / 2
+            logging_output["total"] = mask.sum()
+        # nothing reads the logits after this call: their buffer may take the gradient
         out = self.rdrop_loss(scores, target, epsilon=epsilon, ignore_index=self.padding_idx,
-                              keep=keep, log_probs=log_probs)
+                              keep=keep, log_probs=log_probs, grad_in_scores="auto")
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
-        logging_output = {
+        logging_output.update({
             "loss": out.loss / 2,
             "nll_loss": out.nll / 2,
             "rdrop_kl": out.kl,
             "ntokens": sample["ntokens"],
             "nsentences": sample["target"].size(0),
             "sample_size": sample_size,
-        }
-        if getattr(self, "report_accuracy", False):
-            mask = target.ne(self.padding_idx) if keep is None else target.ne(self.padding_idx) & keep
-            predicted = scores.argmax(-1).view(2, *target.shape)
-            logging_output["n_correct"] = (predicted.eq(target) & mask).sum() / 2
-            logging_output["total"] = mask.sum()
+        })
         return out.total, sample_size, logging_output
 
     @staticmethod

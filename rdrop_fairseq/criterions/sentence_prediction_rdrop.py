@@ -53,11 +53,12 @@ class SentencePredictionRDropCriterion(RDropMixin, SentencePredictionCriterion):
         logging_output = {}
         sample_size = targets.numel() // 2
         if not self.regression_target:
+            # before the loss, which may write the gradient into the logits' buffer
+            logging_output["ncorrect"] = (logits.argmax(dim=1) == targets).sum() / 2
             # NLL of both passes (sentence_prediction's loss) + alpha * KL, from the logits
-            out = self.rdrop_loss(logits, targets[:sample_size])
+            out = self.rdrop_loss(logits, targets[:sample_size], grad_in_scores="auto")
             total, task_loss = out.total, out.loss
             logging_output["rdrop_kl"] = out.kl
-            logging_output["ncorrect"] = (logits.argmax(dim=1) == targets).sum() / 2
         else:
             predictions = logits.view(-1).float()
             task_loss = F.mse_loss(predictions, targets.float(), reduction="sum")
