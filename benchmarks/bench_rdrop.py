@@ -9,7 +9,10 @@ R-Drop implementation must compute at least that. Methods:
   ``--rdrop-impl torch`` / ``triton`` (triton: CUDA only);
 * ``ours-torch-separate`` (``loss`` only): ``ours-torch`` with the logits' gradient in a
   buffer of its own (``grad_in_scores=False``) where the criterion writes it into the
-  logits (only with ``--projection``: leaf logits are never written).
+  logits (only with ``--projection``: leaf logits are never written);
+* ``ours-fused-linear`` (``loss`` only, with ``--projection``): ``--rdrop-fused-linear``,
+  the loss from the features and the projection's weight without the logits
+  (``rdrop_fairseq.fused_linear``).
 
 Two measurements, each method in a fresh subprocess (so that its peak memory is its own),
 all methods of a row in one run, so that the ratios compare like with like:
@@ -58,7 +61,7 @@ CRITERION_ARGS = {
                     "--rdrop-alpha", str(ALPHA), "--rdrop-impl", "triton"],
 }
 # loss-mode variants of a criterion (not criterion options)
-LOSS_ONLY_METHODS = ("ours-torch-separate",)
+LOSS_ONLY_METHODS = ("ours-torch-separate", "ours-fused-linear")
 # a transformer_iwslt_de_en-shaped model small enough for CPU tests of a step's op count
 TINY_ARCH = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
              "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "16",
@@ -210,16 +213,26 @@ def run_loss(method, vocab, tokens, repeats, device="cpu", dtype="float32", proj
     torch.manual_seed(0)
     target = torch.randint(2, vocab, (tokens,), device=device)
     target[torch.rand(tokens, device=device) < 0.2] = PAD  # ~20 % padding
-    fn = _loss_fn(method, dtype)
+    if method == "ours-fused-linear" and not projection:
+        raise ValueError("ours-fused-linear needs --projection D (it starts from features)")
+    fn = None if method == "ours-fused-linear" else _loss_fn(method, dtype)
     if projection:  # logits made (and counted) in every method, as a decoder makes them
         features = torch.randn(2 * tokens, projection, device=device,
                                dtype=getattr(torch, dtype), requires_grad=True)
         weight = (torch.randn(vocab, projection, device=device) / projection ** 0.5).to(
             getattr(torch, dtype)).requires_grad_(True)
 
-        def step():
-            features.grad = weight.grad = None
-            fn(F.linear(features, weight), target).backward()
+        if method == "ours-fused-linear":
+            from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
+
+            def step():
+                features.grad = weight.grad = None
+                fused_linear_rdrop_loss(features, weight, target, alpha=ALPHA, epsilon=EPS,
+                                        ignore_index=PAD).total.backward()
+        else:
+            def step():
+                features.grad = weight.grad = None
+                fn(F.linear(features, weight), target).backward()
     else:
         logits = torch.randn(2 * tokens, vocab, device=device, dtype=getattr(torch, dtype),
                              requires_grad=True)
@@ -335,6 +348,7 @@ def main():
     p.add_argument("--projection", type=int, default=0, metavar="D",
                    help="loss: make the logits from D-dim features by an output projection")
     p.add_argument("--markdown", help="also write the tables to this file")
+    p.add_argument("--json", help="also write every measurement to this file")
     a = p.parse_args()
     gpu = a.what == "gpu"
     device = a.device or ("cuda" if gpu else "cpu")
@@ -345,6 +359,7 @@ def main():
     common = dict(repeats=a.repeats, threads=a.threads, device=device)
     out = [f"device={device} threads={a.threads} repeats={a.repeats} (~20% padding in 'loss')"]
     print(out[0])
+    measured = []
     if a.what in ("loss", "all", "gpu"):
         rows = []
         for dtype in dtypes:
@@ -358,6 +373,7 @@ def main():
                             projection=a.projection, **common)))
                         print(f"  loss {rows[-1][0]} {m}: {rows[-1][2]}", flush=True)
         out.append(_table("Loss alone: logits -> loss -> backward", rows))
+        measured += [{"kind": "loss", "case": c, "method": m, **r} for c, m, r in rows]
     if a.what in ("step", "all", "gpu"):
         rows = []
         archs = a.step_arch or (["transformer_iwslt_de_en", "transformer_vaswani_wmt_en_de_big"]
@@ -372,8 +388,12 @@ def main():
                     dtype=step_dtype, **common)))
                 print(f"  step {rows[-1][0]} {m}: {rows[-1][2]}", flush=True)
         out.append(_table("A whole training step (forward, loss, backward)", rows))
+        measured += [{"kind": "step", "case": c, "method": m, **r} for c, m, r in rows]
     text = "\n".join(out)
     print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(measured, f, indent=1)
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(text + "\n")
