@@ -45,6 +45,11 @@ from rdrop_fairseq.criterions import (
     LabelSmoothedCrossEntropyRDropCriterion,
     SentencePredictionRDropCriterion,
 )
+from rdrop_fairseq.criterions.adaptive_loss_rdrop import AdaptiveLossRDropConfig
+from rdrop_fairseq.criterions.cross_entropy_rdrop import CrossEntropyRDropConfig
+from rdrop_fairseq.criterions.label_smoothed_cross_entropy_rdrop import (
+    LabelSmoothedCrossEntropyRDropConfig,
+)
 from rdrop_fairseq.criterions.sentence_prediction_rdrop import SentencePredictionRDropConfig
 
 VOCAB = 40
@@ -119,9 +124,9 @@ def translation_case():
         }
 
     def ours(alpha, two_passes=False, label_smoothing=0.1, **kw):
-        return LabelSmoothedCrossEntropyRDropCriterion(
-            case.task, kw.pop("sentence_avg", False), label_smoothing, rdrop_alpha=alpha,
-            rdrop_two_passes=two_passes, **kw)
+        return LabelSmoothedCrossEntropyRDropCriterion(LabelSmoothedCrossEntropyRDropConfig(
+            label_smoothing=label_smoothing, rdrop_alpha=alpha, rdrop_two_passes=two_passes,
+            sentence_avg=kw.pop("sentence_avg", False), **kw), case.task)
 
     def parent(label_smoothing=0.1, **kw):
         return LabelSmoothedCrossEntropyCriterion(
@@ -191,8 +196,9 @@ def lm_case(adaptive):
 
     if adaptive:
         def ours(alpha, two_passes=False, **kw):
-            return AdaptiveLossRDrop(case.task, False, rdrop_alpha=alpha,
-                                     rdrop_two_passes=two_passes, **kw)
+            return AdaptiveLossRDrop(AdaptiveLossRDropConfig(
+                sentence_avg=False, rdrop_alpha=alpha, rdrop_two_passes=two_passes, **kw),
+                case.task)
 
         def parent(**kw):
             return AdaptiveLoss(case.task, False)
@@ -211,8 +217,9 @@ def lm_case(adaptive):
             return token_reference(lprobs, pair["target"], d.pad(), alpha, 0.0)
     else:
         def ours(alpha, two_passes=False, **kw):
-            return CrossEntropyRDropCriterion(case.task, False, rdrop_alpha=alpha,
-                                              rdrop_two_passes=two_passes, **kw)
+            return CrossEntropyRDropCriterion(CrossEntropyRDropConfig(
+                sentence_avg=False, rdrop_alpha=alpha, rdrop_two_passes=two_passes, **kw),
+                case.task)
 
         def parent(**kw):
             return CrossEntropyCriterion(case.task, False)
@@ -644,7 +651,8 @@ def test_adaptive_loss_rdrop_needs_an_adaptive_softmax():
     lm = lm_case(adaptive=False)
     model = lm.build_model(dropout=0.1)
     model.train()
-    criterion = AdaptiveLossRDrop(lm.task, False, rdrop_alpha=1.0)
+    criterion = AdaptiveLossRDrop(AdaptiveLossRDropConfig(sentence_avg=False, rdrop_alpha=1.0),
+                                  lm.task)
     with pytest.raises(ValueError, match="adaptive softmax"):
         criterion(model, lm.make_sample())
 
