@@ -826,3 +826,28 @@ def test_adaptive_chunk_stays_within_its_budget(chunk_mb):
         total, _, _ = adaptive_rdrop_loss(asm, features, target, 1, 1.0, chunk_mb, "torch")
         total.backward()
     assert memory.peak <= 1.2 * chunk_mb * 2**20, memory.peak / 2**20
+
+
+def test_transformer_logits_take_the_gradient_in_place_with_equal_gradients(monkeypatch):
+    """fairseq's output_projection (F.linear on 3D features) qualifies: the logits' buffer is
+    overwritten, and every parameter's gradient equals the separate buffer's (fp32, 1e-6)."""
+    from rdrop_fairseq import core
+
+    case = translation_case()
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample()
+    seen = {}
+
+    def keep_copy(module, inputs, output):
+        seen["logits"], seen["copy"] = output, output.detach().clone()
+
+    model.decoder.output_projection.register_forward_hook(keep_copy)
+    criterion = case.ours(alpha=5.0, report_accuracy=True)
+    in_place = run(criterion, model, sample, seed=7)
+    assert not torch.equal(seen["logits"], seen["copy"])
+    monkeypatch.setattr(core, "_grad_into_scores", lambda *args: False)
+    separate = run(criterion, model, sample, seed=7)
+    assert torch.equal(seen["logits"], seen["copy"])
+    assert torch.equal(in_place[0], separate[0])
+    assert_grads_close(in_place[3], separate[3], rtol=1e-6, atol=1e-9)
