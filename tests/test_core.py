@@ -871,9 +871,11 @@ def test_gradient_into_the_logits_of_a_projection(bias, grad_in_scores):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
 
 
-def test_gradient_into_half_logits():
-    out, grads, overwritten = grads_through_projection("auto", dtype=torch.bfloat16)
-    want, want_grads, _ = grads_through_projection(False, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gradient_into_half_logits(dtype):
+    """Half logits (fp16: stored scaled per row pair): the same gradients, bit for bit."""
+    out, grads, overwritten = grads_through_projection("auto", dtype=dtype)
+    want, want_grads, _ = grads_through_projection(False, dtype=dtype)
     assert overwritten
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)

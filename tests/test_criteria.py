@@ -45,6 +45,11 @@ from rdrop_fairseq.criterions import (
     LabelSmoothedCrossEntropyRDropCriterion,
     SentencePredictionRDropCriterion,
 )
+from rdrop_fairseq.criterions.adaptive_loss_rdrop import AdaptiveLossRDropConfig
+from rdrop_fairseq.criterions.cross_entropy_rdrop import CrossEntropyRDropConfig
+from rdrop_fairseq.criterions.label_smoothed_cross_entropy_rdrop import (
+    LabelSmoothedCrossEntropyRDropConfig,
+)
 from rdrop_fairseq.criterions.sentence_prediction_rdrop import SentencePredictionRDropConfig
 
 VOCAB = 40
@@ -119,9 +124,9 @@ def translation_case():
         }
 
     def ours(alpha, two_passes=False, label_smoothing=0.1, **kw):
-        return LabelSmoothedCrossEntropyRDropCriterion(
-            case.task, kw.pop("sentence_avg", False), label_smoothing, rdrop_alpha=alpha,
-            rdrop_two_passes=two_passes, **kw)
+        return LabelSmoothedCrossEntropyRDropCriterion(LabelSmoothedCrossEntropyRDropConfig(
+            label_smoothing=label_smoothing, rdrop_alpha=alpha, rdrop_two_passes=two_passes,
+            sentence_avg=kw.pop("sentence_avg", False), **kw), case.task)
 
     def parent(label_smoothing=0.1, **kw):
         return LabelSmoothedCrossEntropyCriterion(
@@ -191,8 +196,9 @@ def lm_case(adaptive):
 
     if adaptive:
         def ours(alpha, two_passes=False, **kw):
-            return AdaptiveLossRDrop(case.task, False, rdrop_alpha=alpha,
-                                     rdrop_two_passes=two_passes, **kw)
+            return AdaptiveLossRDrop(AdaptiveLossRDropConfig(
+                sentence_avg=False, rdrop_alpha=alpha, rdrop_two_passes=two_passes, **kw),
+                case.task)
 
         def parent(**kw):
             return AdaptiveLoss(case.task, False)
@@ -211,8 +217,9 @@ def lm_case(adaptive):
             return token_reference(lprobs, pair["target"], d.pad(), alpha, 0.0)
     else:
         def ours(alpha, two_passes=False, **kw):
-            return CrossEntropyRDropCriterion(case.task, False, rdrop_alpha=alpha,
-                                              rdrop_two_passes=two_passes, **kw)
+            return CrossEntropyRDropCriterion(CrossEntropyRDropConfig(
+                sentence_avg=False, rdrop_alpha=alpha, rdrop_two_passes=two_passes, **kw),
+                case.task)
 
         def parent(**kw):
             return CrossEntropyCriterion(case.task, False)
@@ -644,7 +651,8 @@ def test_adaptive_loss_rdrop_needs_an_adaptive_softmax():
     lm = lm_case(adaptive=False)
     model = lm.build_model(dropout=0.1)
     model.train()
-    criterion = AdaptiveLossRDrop(lm.task, False, rdrop_alpha=1.0)
+    criterion = AdaptiveLossRDrop(AdaptiveLossRDropConfig(sentence_avg=False, rdrop_alpha=1.0),
+                                  lm.task)
     with pytest.raises(ValueError, match="adaptive softmax"):
         criterion(model, lm.make_sample())
 
@@ -818,3 +826,28 @@ def test_adaptive_chunk_stays_within_its_budget(chunk_mb):
         total, _, _ = adaptive_rdrop_loss(asm, features, target, 1, 1.0, chunk_mb, "torch")
         total.backward()
     assert memory.peak <= 1.2 * chunk_mb * 2**20, memory.peak / 2**20
+
+
+def test_transformer_logits_take_the_gradient_in_place_with_equal_gradients(monkeypatch):
+    """fairseq's output_projection (F.linear on 3D features) qualifies: the logits' buffer is
+    overwritten, and every parameter's gradient equals the separate buffer's (fp32, 1e-6)."""
+    from rdrop_fairseq import core
+
+    case = translation_case()
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample()
+    seen = {}
+
+    def keep_copy(module, inputs, output):
+        seen["logits"], seen["copy"] = output, output.detach().clone()
+
+    model.decoder.output_projection.register_forward_hook(keep_copy)
+    criterion = case.ours(alpha=5.0, report_accuracy=True)
+    in_place = run(criterion, model, sample, seed=7)
+    assert not torch.equal(seen["logits"], seen["copy"])
+    monkeypatch.setattr(core, "_grad_into_scores", lambda *args: False)
+    separate = run(criterion, model, sample, seed=7)
+    assert torch.equal(seen["logits"], seen["copy"])
+    assert torch.equal(in_place[0], separate[0])
+    assert_grads_close(in_place[3], separate[3], rtol=1e-6, atol=1e-9)

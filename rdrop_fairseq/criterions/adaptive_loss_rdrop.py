@@ -35,22 +35,16 @@ class AdaptiveLossRDropConfig(AdaptiveLossConfig, RDropConfig):
 
 @register_criterion("adaptive_loss_rdrop", dataclass=AdaptiveLossRDropConfig)
 class AdaptiveLossRDrop(RDropMixin, AdaptiveLoss):
-    def __init__(self, task, sentence_avg, rdrop_alpha=0.0, rdrop_two_passes=False,
-                 rdrop_chunk_mb=0.0, rdrop_impl="auto"):
-        super().__init__(task, sentence_avg)
-        self.init_rdrop("adaptive_loss", rdrop_alpha, rdrop_two_passes, rdrop_chunk_mb,
-                        rdrop_impl)
+    def __init__(self, cfg: AdaptiveLossRDropConfig, task):
+        super().__init__(task, cfg.sentence_avg)
+        self.init_rdrop_from(cfg, "adaptive_loss")
 
     @classmethod
     def build_criterion(cls, cfg: AdaptiveLossRDropConfig, task):
         AdaptiveLoss.build_criterion(cfg, task)  # fairseq's own ddp-backend check
-        return cls(task, cfg.sentence_avg, cfg.rdrop_alpha, cfg.rdrop_two_passes,
-                   cfg.rdrop_chunk_mb, cfg.rdrop_impl)
+        return cls(cfg, task)
 
-    def forward(self, model, sample, reduce=True):
-        if not self.rdrop_active(model):
-            return super().forward(model, sample, reduce=reduce)
-        self.check_reduce(reduce)
+    def rdrop_forward(self, model, sample):
         adaptive_softmax = getattr(model.decoder, "adaptive_softmax", None)
         if adaptive_softmax is None:
             raise ValueError(
@@ -75,11 +69,6 @@ class AdaptiveLossRDrop(RDropMixin, AdaptiveLoss):
             "sample_size": sample_size,
         }
         return total, sample_size, logging_output
-
-    @classmethod
-    def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
-        cls.reduce_rdrop_metrics(logging_outputs)
 
 
 # float32 (2r, V) tensors that a chunk of r row pairs holds at its peak, in the forward of

@@ -15,22 +15,11 @@ class CrossEntropyRDropConfig(CrossEntropyCriterionConfig, RDropConfig):
 
 @register_criterion("cross_entropy_rdrop", dataclass=CrossEntropyRDropConfig)
 class CrossEntropyRDropCriterion(RDropMixin, CrossEntropyCriterion):
-    def __init__(self, task, sentence_avg, rdrop_alpha=0.0, rdrop_two_passes=False,
-                 rdrop_chunk_mb=0.0, rdrop_impl="auto"):
-        super().__init__(task, sentence_avg)
-        self.init_rdrop("cross_entropy", rdrop_alpha, rdrop_two_passes, rdrop_chunk_mb,
-                        rdrop_impl)
+    def __init__(self, cfg: CrossEntropyRDropConfig, task):
+        super().__init__(task, cfg.sentence_avg)
+        self.init_rdrop_from(cfg, "cross_entropy")
 
-    def forward(self, model, sample, reduce=True):
-        if not self.rdrop_active(model):
-            return super().forward(model, sample, reduce=reduce)
-        loss, sample_size, logging_output = self.token_level_forward(
-            model, sample, reduce, epsilon=0.0
-        )
+    def rdrop_forward(self, model, sample):
+        loss, sample_size, logging_output = self.token_level_forward(model, sample, epsilon=0.0)
         del logging_output["nll_loss"]  # cross_entropy logs the NLL as its loss
         return loss, sample_size, logging_output
-
-    @classmethod
-    def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
-        cls.reduce_rdrop_metrics(logging_outputs)

@@ -1,14 +1,18 @@
-"""What every R-Drop criterion shares: its two options, when to duplicate, and logging.
+"""What every R-Drop criterion shares: its options, when to duplicate, and logging.
 
-The criteria subclass fairseq's own criterion and this mixin; while the model is not
-training (validation, ``--eval-bleu``, scoring), or when R-Drop is off, they call the fairseq
-parent unchanged.
+The criteria subclass this mixin and fairseq's own criterion; each is its config (the
+parent's plus :class:`RDropConfig`), an ``__init__`` that passes the parent its options and
+this mixin the config, and :meth:`RDropMixin.rdrop_forward`, the few lines that differ.
+The mixin validates the options (once, when the criterion is built), runs the fairseq
+parent unchanged while the model is not training (validation, ``--eval-bleu``, scoring) or
+when R-Drop is off, and adds the consistency metrics to the parent's. A new option is one
+field of :class:`RDropConfig` plus its use here.
 """
 
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from fairseq import utils
@@ -62,7 +66,13 @@ class RDropConfig(FairseqDataclass):
 
 
 class RDropMixin:
-    """Shared R-Drop behaviour; call :meth:`init_rdrop` from the criterion's ``__init__``."""
+    """Shared R-Drop behaviour: call :meth:`init_rdrop_from` (or :meth:`init_rdrop`) from the
+    criterion's ``__init__``, and implement :meth:`rdrop_forward`."""
+
+    def init_rdrop_from(self, cfg, parent_name):
+        """:meth:`init_rdrop` with every :class:`RDropConfig` field of ``cfg``."""
+        options = [f.name for f in fields(RDropConfig) if f.name.startswith("rdrop_")]
+        self.init_rdrop(parent_name, **{name: getattr(cfg, name) for name in options})
 
     def init_rdrop(self, parent_name, rdrop_alpha=0.0, rdrop_two_passes=False,
                    rdrop_chunk_mb=0.0, rdrop_impl="auto"):
@@ -108,6 +118,21 @@ class RDropMixin:
                 f"trains exactly like {parent_name}"
             )
 
+    def forward(self, model, sample, reduce=True):
+        if not self.rdrop_active(model):
+            return super().forward(model, sample, reduce=reduce)
+        self.check_reduce(reduce)
+        return self.rdrop_forward(model, sample)
+
+    def rdrop_forward(self, model, sample):
+        """The two-pass training forward: fairseq's ``(loss, sample_size, logging_output)``."""
+        raise NotImplementedError
+
+    @classmethod
+    def reduce_metrics(cls, logging_outputs) -> None:
+        super().reduce_metrics(logging_outputs)
+        cls.reduce_rdrop_metrics(logging_outputs)
+
     @property
     def rdrop_enabled(self):
         return self.rdrop_alpha > 0 or self.rdrop_two_passes
@@ -143,7 +168,7 @@ class RDropMixin:
         return rdrop_loss(scores, target, alpha=self.rdrop_alpha, chunk_mb=self.rdrop_chunk_mb,
                           impl=self.rdrop_impl, **kwargs)
 
-    def token_level_forward(self, model, sample, reduce, epsilon):
+    def token_level_forward(self, model, sample, reduce=True, *, epsilon):
         """Two passes over ``[x; x]`` for a token-level criterion (label-smoothed or plain
         cross-entropy, with this criterion's ``padding_idx``, ``sentence_avg`` and, if set,
         ``ignore_prefix_size`` / ``report_accuracy``).

@@ -28,13 +28,9 @@ class SentencePredictionRDropConfig(SentencePredictionConfig, RDropConfig):
 class SentencePredictionRDropCriterion(RDropMixin, SentencePredictionCriterion):
     def __init__(self, cfg: SentencePredictionRDropConfig, task):
         super().__init__(cfg, task)
-        self.init_rdrop("sentence_prediction", cfg.rdrop_alpha, cfg.rdrop_two_passes,
-                        cfg.rdrop_chunk_mb, cfg.rdrop_impl)
+        self.init_rdrop_from(cfg, "sentence_prediction")
 
-    def forward(self, model, sample, reduce=True):
-        if not self.rdrop_active(model):
-            return super().forward(model, sample, reduce=reduce)
-        self.check_reduce(reduce)
+    def rdrop_forward(self, model, sample):
         assert (
             hasattr(model, "classification_heads")
             and self.classification_head_name in model.classification_heads
@@ -75,8 +71,3 @@ class SentencePredictionRDropCriterion(RDropMixin, SentencePredictionCriterion):
             }
         )
         return total, sample_size, logging_output
-
-    @classmethod
-    def reduce_metrics(cls, logging_outputs) -> None:
-        super().reduce_metrics(logging_outputs)
-        cls.reduce_rdrop_metrics(logging_outputs)
