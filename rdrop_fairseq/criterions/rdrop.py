@@ -20,10 +20,11 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.logging import metrics
 from fairseq.models import BaseFairseqModel
 from fairseq.models.fairseq_decoder import FairseqDecoder
-from fairseq.models.transformer import TransformerModelBase
+from fairseq.models.transformer import TransformerDecoderBase, TransformerModelBase
 from fairseq.modules import FairseqDropout
 
 from ..core import IMPLS, RDropBatchError, duplicate_net_input, rdrop_loss
+from ..fused_linear import fused_linear_rdrop_loss
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,19 @@ class RDropConfig(FairseqDataclass):
             "when importable, else torch)"
         },
     )
+    rdrop_fused_linear: bool = field(
+        default=False,
+        metadata={
+            "help": "compute the loss from the decoder's features and output projection, a "
+            "chunk at a time, so that the 2N x V logits never exist (label_smoothed_cross_"
+            "entropy_rdrop and cross_entropy_rdrop; models with a plain output projection: "
+            "transformer, BART, transformer_lm without adaptive softmax)"
+        },
+    )
+
+
+# the criteria whose loss --rdrop-fused-linear can compute from the features
+FUSED_LINEAR_PARENTS = ("label_smoothed_cross_entropy", "cross_entropy")
 
 
 class RDropMixin:
@@ -75,7 +89,7 @@ class RDropMixin:
         self.init_rdrop(parent_name, **{name: getattr(cfg, name) for name in options})
 
     def init_rdrop(self, parent_name, rdrop_alpha=0.0, rdrop_two_passes=False,
-                   rdrop_chunk_mb=0.0, rdrop_impl="auto"):
+                   rdrop_chunk_mb=0.0, rdrop_impl="auto", rdrop_fused_linear=False):
         alpha = float(rdrop_alpha)
         if not alpha >= 0 or math.isinf(alpha):  # also rejects NaN
             raise ValueError(
@@ -106,6 +120,12 @@ class RDropMixin:
                     "--rdrop-impl triton needs a CUDA GPU, and none is available: use "
                     "--rdrop-impl auto (the torch implementation on CPU) or torch"
                 )
+        if rdrop_fused_linear and parent_name not in FUSED_LINEAR_PARENTS:
+            raise ValueError(
+                f"--rdrop-fused-linear is for {' and '.join(p + '_rdrop' for p in FUSED_LINEAR_PARENTS)}"
+                f" (token-level losses over a vocabulary), not {parent_name}_rdrop"
+            )
+        self.rdrop_fused_linear = bool(rdrop_fused_linear)
         self.rdrop_alpha = alpha
         self.rdrop_two_passes = bool(rdrop_two_passes)
         self.rdrop_chunk_mb = chunk_mb
@@ -180,7 +200,10 @@ class RDropMixin:
         """
         self.check_reduce(reduce)
         pair = self.duplicate_sample(model, sample)
-        net_output = model(**pair["net_input"])
+        if self.rdrop_fused_linear:  # the decoder's features: the criterion projects them
+            net_output = model(**pair["net_input"], features_only=True)
+        else:
+            net_output = model(**pair["net_input"])
         target = model.get_targets(pair, net_output)
         target = target[: target.size(0) // 2]  # one pass's: the two are [t; t] by construction
         keep = None
@@ -188,26 +211,37 @@ class RDropMixin:
         if prefix > 0:  # masked rather than sliced: slicing would copy the logits
             keep = torch.ones_like(target, dtype=torch.bool)
             keep[:, :prefix] = False
-        if uses_stock_log_softmax(model):
-            scores, log_probs = net_output[0], False
-        else:
-            if not self._fallback_logged:
-                self._fallback_logged = True
-                logger.info(
-                    "R-Drop: this model normalises its output itself, so the fused loss "
-                    "starts from its log-probabilities (float32, 2N x V) rather than logits"
-                )
-            scores, log_probs = model.get_normalized_probs(net_output, log_probs=True), True
         logging_output = {}
-        if getattr(self, "report_accuracy", False):
+        report_accuracy = getattr(self, "report_accuracy", False)
+        mask = target.ne(self.padding_idx) if keep is None else target.ne(self.padding_idx) & keep
+        if self.rdrop_fused_linear:
+            projection = fused_output_projection(model)
+            predicted = (torch.empty((2, target.numel()), dtype=torch.long, device=target.device)
+                         if report_accuracy else None)
+            out = fused_linear_rdrop_loss(
+                net_output[0], projection.weight, target, bias=projection.bias,
+                alpha=self.rdrop_alpha, epsilon=epsilon, ignore_index=self.padding_idx,
+                keep=keep, chunk_mb=self.rdrop_chunk_mb, predictions=predicted)
+        else:
+            if uses_stock_log_softmax(model):
+                scores, log_probs = net_output[0], False
+            else:
+                if not self._fallback_logged:
+                    self._fallback_logged = True
+                    logger.info(
+                        "R-Drop: this model normalises its output itself, so the fused loss "
+                        "starts from its log-probabilities (float32, 2N x V) rather than logits"
+                    )
+                scores, log_probs = model.get_normalized_probs(net_output, log_probs=True), True
             # before the loss, which may write the gradient into the logits' buffer
-            mask = target.ne(self.padding_idx) if keep is None else target.ne(self.padding_idx) & keep
-            predicted = scores.argmax(-1).view(2, *target.shape)
+            predicted = scores.argmax(-1) if report_accuracy else None
+            # nothing reads the logits after this call: their buffer may take the gradient
+            out = self.rdrop_loss(scores, target, epsilon=epsilon, ignore_index=self.padding_idx,
+                                  keep=keep, log_probs=log_probs, grad_in_scores="auto")
+        if report_accuracy:
+            predicted = predicted.view(2, *target.shape)
             logging_output["n_correct"] = (predicted.eq(target) & mask).sum() / 2
             logging_output["total"] = mask.sum()
-        # nothing reads the logits after this call: their buffer may take the gradient
-        out = self.rdrop_loss(scores, target, epsilon=epsilon, ignore_index=self.padding_idx,
-                              keep=keep, log_probs=log_probs, grad_in_scores="auto")
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         logging_output.update({
             "loss": out.loss / 2,
@@ -237,6 +271,28 @@ class RDropMixin:
                 metrics.log_scalar(
                     key, total / max(sample_size, 1) / math.log(2), sample_size, round=4
                 )
+
+
+def fused_output_projection(model):
+    """The decoder's output projection, for --rdrop-fused-linear; a ValueError naming what
+    to change if the model's output is not ``log_softmax(output_projection(features))``."""
+    decoder = getattr(model, "decoder", None)
+    what = type(decoder).__name__
+    if decoder is None:
+        raise ValueError("--rdrop-fused-linear needs a model with a decoder (transformer, "
+                         f"BART, transformer_lm), got {type(model).__name__}")
+    if getattr(decoder, "adaptive_softmax", None) is not None:
+        raise ValueError("--rdrop-fused-linear cannot compute an adaptive softmax: drop the "
+                         "flag, or use adaptive_loss_rdrop")
+    projection = getattr(decoder, "output_projection", None)
+    if type(projection) is not torch.nn.Linear:
+        raise ValueError(f"--rdrop-fused-linear needs the decoder's output_projection to be a "
+                         f"torch.nn.Linear; {what} has {type(projection).__name__}: drop the flag")
+    if not (_is_method(decoder.output_layer, TransformerDecoderBase.output_layer)
+            and uses_stock_log_softmax(model)):
+        raise ValueError(f"--rdrop-fused-linear: {what} overrides its output layer or "
+                         "normalisation, which the fused loss would skip: drop the flag")
+    return projection
 
 
 def uses_stock_log_softmax(model):
