@@ -53,7 +53,8 @@ class RDropConfig(FairseqDataclass):
         default=0.0,
         metadata={
             "help": "bound, in MiB, on the float32 temporaries of one chunk of the fused "
-            "R-Drop loss (torch implementation); 0 = automatic: 256 on CUDA, 16 on CPU"
+            "R-Drop loss (torch implementation, and adaptive_loss_rdrop's full-vocabulary "
+            "chunks); 0 = automatic: 256 on CUDA (not measured on a GPU yet), 16 on CPU"
         },
     )
     rdrop_impl: ChoiceEnum(IMPLS) = field(
