@@ -53,7 +53,8 @@ if [ "${DRY_RUN:-0}" != 1 ]; then
 fi
 
 say "3/3 benchmarks against fairseq's criterion on the doubled batch, and AttendOut"
-run "$PYTHON" "$REPO/benchmarks/bench_rdrop.py" gpu --vocab 32000 267744 \
-    --markdown "$OUT/bench_rdrop.md"
+run "$PYTHON" "$REPO/benchmarks/bench_rdrop.py" gpu --vocab 32000 267744 --projection 1024 \
+    --methods floor upstream ours-torch ours-triton ours-fused-linear \
+    --markdown "$OUT/bench_rdrop.md" --json "$OUT/bench_rdrop.json"
 run "$PYTHON" "$REPO/benchmarks/bench_attendout.py" gpu --json "$OUT/bench_attendout.json"
-say "done: $OUT (cuda-tests.xml, fp16-train.log, bench_rdrop.md, bench_attendout.json)"
+say "done: $OUT (cuda-tests.xml, fp16-train.log, bench_rdrop.md/.json, bench_attendout.json)"
