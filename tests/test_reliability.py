@@ -268,7 +268,9 @@ def test_kl_of_a_bf16_model_is_computed_in_float32():
     model.train()
     sample = case.make_sample()
     logits = []
-    hook = model.decoder.register_forward_hook(lambda m, i, out: logits.append(out[0].detach()))
+    # a copy: the criterion may write the logits' gradient into their buffer (grad_in_scores)
+    hook = model.decoder.register_forward_hook(
+        lambda m, i, out: logits.append(out[0].detach().clone()))
     torch.manual_seed(3)
     loss, _, logs = case.ours(alpha=5.0)(model, sample)
     hook.remove()
