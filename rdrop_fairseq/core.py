@@ -154,11 +154,7 @@ def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None
     dtype of ``scores`` (so float32 for float32 scores), and not even that when it goes
     into ``scores``; the halves are not compared (the caller built ``[x; x]``).
     """
-    alpha = float(alpha)
-    if not alpha >= 0 or math.isinf(alpha):
-        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
-    if not 0.0 <= epsilon <= 1.0:
-        raise ValueError(f"epsilon (label smoothing) must be in [0, 1], got {epsilon}")
+    alpha = check_alpha_epsilon(alpha, epsilon)
     if scores.dim() < 2 or scores.size(0) % 2:
         raise RDropBatchError(
             "scores must be (2B, ..., V) with both passes stacked along dim 0, got shape "
@@ -215,6 +211,32 @@ def chunk_rows_for(vocab, scores, chunk_mb=0.0):
     dtype = _compute_dtype(scores)
     per_pair = (2 if scores.dtype == dtype else 4) * vocab * dtype.itemsize
     return max(1, int(chunk_mb * 2**20) // per_pair)
+
+
+def check_alpha_epsilon(alpha, epsilon):
+    """``alpha`` as a float, after checking it (finite, >= 0) and ``epsilon`` (in [0, 1])."""
+    alpha = float(alpha)
+    if not alpha >= 0 or math.isinf(alpha):
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+    if not 0.0 <= epsilon <= 1.0:
+        raise ValueError(f"epsilon (label smoothing) must be in [0, 1], got {epsilon}")
+    return alpha
+
+
+def combine_rows(stats, kept, coef, alpha, has_target):
+    """``(total, loss, nll, kl)`` from the per-row statistics ``stats`` (rows nll, smooth,
+    KL(p||q), KL(q||p)): excluded rows masked out (whatever they hold), summed in the
+    stats' dtype; a zero coefficient never meets an inf (0 * inf = nan)."""
+    nll, smooth, kl_pq, kl_qp = torch.where(kept, stats[:4], 0).sum(1).unbind()
+    if has_target:
+        loss = coef["c1"] * nll if coef["c1"] else torch.zeros_like(nll)
+        if coef["eps_i"]:
+            loss = loss + coef["eps_i"] * smooth
+    else:
+        loss = nll = torch.zeros_like(kl_pq)
+    kl = 0.5 * (kl_pq + kl_qp)
+    total = loss + alpha * kl if alpha else loss.clone()  # an inf KL times 0 is nan
+    return total, loss, nll, kl
 
 
 def _kept_rows(target, ignore_index, keep, n, pairs):
@@ -306,19 +328,10 @@ class _FusedRDrop(torch.autograd.Function):
         else:
             grad, stats = _rows_torch(pairs, t, kept, not log_probs, chunk_rows, need_grad,
                                       out=out, **coef)
-        # stats rows: nll, smooth, kl_pq, kl_qp (per row pair), then the gradient's scale;
-        # excluded rows are masked out (whatever they hold), summed in fp32/fp64
-        nll, smooth, kl_pq, kl_qp = torch.where(kept, stats[:4], 0).sum(1).unbind()
-        if target is not None:  # a zero coefficient must not meet an inf (0 * inf = nan)
-            loss = coef["c1"] * nll if coef["c1"] else torch.zeros_like(nll)
-            if coef["eps_i"]:
-                loss = loss + coef["eps_i"] * smooth
-        else:
-            loss = nll = torch.zeros_like(kl_pq)
-        kl = 0.5 * (kl_pq + kl_qp)
+        # stats rows: nll, smooth, kl_pq, kl_qp (per row pair), then the gradient's scale
+        total, loss, nll, kl = combine_rows(stats, kept, coef, alpha, target is not None)
         ctx.grad, ctx.row_factor = grad, torch.where(kept, stats[4], 0)
         ctx.mark_non_differentiable(loss, nll, kl)
-        total = loss + alpha * kl if alpha else loss.clone()  # an inf KL times 0 is nan
         return total, loss, nll, kl
 
     @staticmethod

@@ -17,8 +17,6 @@ gradient's product then runs on the unscaled float32 chunk, which costs one floa
 chunk-sized temporary.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +27,9 @@ from .core import (
     _compute_dtype,
     _kept_rows,
     _rows_torch,
+    check_alpha_epsilon,
     chunk_rows_for,
+    combine_rows,
 )
 
 
@@ -59,11 +59,7 @@ def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, e
     Returns :data:`core.RDropLoss` ``(total, loss, nll, kl)``; ``total`` is differentiable
     with respect to ``features``, ``weight`` and ``bias``.
     """
-    alpha = float(alpha)
-    if not alpha >= 0 or math.isinf(alpha):
-        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
-    if not 0.0 <= epsilon <= 1.0:
-        raise ValueError(f"epsilon (label smoothing) must be in [0, 1], got {epsilon}")
+    alpha = check_alpha_epsilon(alpha, epsilon)
     if features.dim() < 2 or features.size(0) % 2:
         raise RDropBatchError("features must be (2B, ..., d) with both passes stacked along "
                               f"dim 0, got shape {tuple(features.shape)}")
@@ -124,15 +120,10 @@ class _FusedLinearRDrop(torch.autograd.Function):
                     grad_w.addmm_(g.reshape(-1, vocab).t(), x.reshape(-1, dim).to(acc))
                 if need_b:
                     grad_b += g.sum((0, 1))
-        nll, smooth, kl_pq, kl_qp = torch.where(kept, stats[:4], 0).sum(1).unbind()
-        loss = coef["c1"] * nll if coef["c1"] else torch.zeros_like(nll)
-        if coef["eps_i"]:
-            loss = loss + coef["eps_i"] * smooth
-        kl = 0.5 * (kl_pq + kl_qp)
+        total, loss, nll, kl = combine_rows(stats, kept, coef, alpha, True)
         ctx.grads = (grad_x, grad_w, grad_b)
         ctx.dtypes = (pairs.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(loss, nll, kl)
-        total = loss + alpha * kl if alpha else loss.clone()
         return total, loss, nll, kl
 
     @staticmethod
