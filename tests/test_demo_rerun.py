@@ -46,13 +46,21 @@ def processes_mentioning(text):
     return found
 
 
+def terminal_sigint():
+    """In the child before exec: SIGINT as in a terminal's foreground job. A shell's
+    background job (``cmd &``, as some CI runners start the suite) begins with SIGINT
+    ignored, an ignored signal stays ignored across exec, and Python then installs no
+    KeyboardInterrupt handler: the demo would never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     out = tmp_path / "demo"
 
     # 1. Ctrl-C while training: the trainings stop, the output says how to go on
     proc = subprocess.Popen([*DEMO, "--out", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env(tmp_path),
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=terminal_sigint)
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -60,7 +68,7 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
             break
     assert seen[-1].startswith("[demo] training"), "".join(seen)[-3000:]  # ended early
     # at once: the trainings start right after that line, and the whole --quick run can
-    # end within seconds on a fast machine (a fixed wait let it finish in a CI run)
+    # end within seconds on a fast machine
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's process group
     rest, _ = proc.communicate(timeout=120)
     output = "".join(seen) + rest
