@@ -14,16 +14,24 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
-# checked from / so that the repository's own rdrop_fairseq/ does not count as installed
-if ! (cd / && "$VENV/bin/python" -c "import fairseq, rdrop_fairseq, pytest, xdist, sacremoses, subword_nmt, sentencepiece, rouge_score, matplotlib, tokenizers, safetensors, triton, tensorboardX") 2>/dev/null; then
+# one interpreter start both checks and reports (importing fairseq takes seconds, and
+# every script runs this); from / so that the repository's own rdrop_fairseq/ does not
+# count as installed
+check() {
+  (cd / && "$VENV/bin/python" -) <<'PY'
+import fairseq, numpy, torch, rdrop_fairseq
+import matplotlib, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
+import tensorboardX, tokenizers, triton, xdist
+print(f"[setup] ok: torch {torch.__version__}, fairseq {fairseq.__version__}, "
+      f"numpy {numpy.__version__}, rdrop_fairseq {rdrop_fairseq.__version__}")
+PY
+}
+if ! report=$(check 2>/dev/null); then
   echo "[setup] installing torch (CPU), fairseq and rdrop-fairseq into $VENV"
   "${PIP[@]}" -r requirements/torch-cpu.txt
   "${PIP[@]}" -r requirements/fairseq.txt
   "${PIP[@]}" --no-deps "$FAIRSEQ_WHEEL"
   "${PIP[@]}" -e ".[test,recipes,tensorboard]"
+  report=$(check)
 fi
-(cd / && "$VENV/bin/python" -) <<'PY'
-import fairseq, numpy, torch, rdrop_fairseq
-print(f"[setup] ok: torch {torch.__version__}, fairseq {fairseq.__version__}, "
-      f"numpy {numpy.__version__}, rdrop_fairseq {rdrop_fairseq.__version__}")
-PY
+echo "$report"
