@@ -19,8 +19,9 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # count as installed
 check() {
   (cd / && "$VENV/bin/python" -) <<'PY'
+import matplotlib  # before fairseq, whose import sets the root logger to DEBUG
 import fairseq, numpy, torch, rdrop_fairseq
-import matplotlib, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
+import pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
 import tensorboardX, tokenizers, triton, xdist
 print(f"[setup] ok: torch {torch.__version__}, fairseq {fairseq.__version__}, "
       f"numpy {numpy.__version__}, rdrop_fairseq {rdrop_fairseq.__version__}")
