@@ -1,0 +1,60 @@
+"""benchmarks/bench_attendout.py: its MAC ratio (the figures docs/attendout.md quotes) and a
+tiny CPU run of both sections (the benchmark scripts/gpu_check.sh runs on a GPU)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "bench_attendout.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_attendout", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("pruned, length, expected", [(10, 256, 1.44), (11, 256, 1.51),
+                                                      (12, 256, 1.58), (11, 512, 1.58)])
+def test_mac_ratio_of_roberta_base_is_what_the_docs_quote(pruned, length, expected):
+    d, f = 768, 3072
+    full = 4 * length * d * d + 2 * length * length * d + 2 * length * d * f  # Q K V O, QK^T, AV, FFN
+    cut = 2 * d * d + 2 * length * d * f  # V and O of one mean vector, FFN
+    ratio = load_bench().mac_ratio(12, pruned, length, d)
+    assert ratio == pytest.approx(12 * full / ((12 - pruned) * full + pruned * cut), rel=1e-12)
+    assert round(ratio, 2) == expected
+    assert "| speed-up from MACs alone |" in (REPO / "docs" / "attendout.md").read_text()
+
+
+def test_mac_ratio_is_one_without_pruning_and_grows_with_it():
+    bench = load_bench()
+    ratios = [bench.mac_ratio(6, k, 128, 384) for k in range(7)]
+    assert ratios[0] == 1.0
+    assert all(a < b for a, b in zip(ratios, ratios[1:]))
+
+
+def test_tiny_cpu_run_prints_and_writes_both_sections(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "all", "--layers", "2", "--dim", "16", "--heads", "2",
+         "--length", "8", "--batch", "2", "--interval", "2", "--intervals", "1",
+         "--repeats", "1", "--work", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    steps = result["step"]
+    assert [r["method"] for r in steps] == ["baseline", "rdrop", "attendout", "attendout_rdrop"]
+    assert steps[0]["time_ratio"] == 1.0
+    assert all(r["seconds"] > 0 and r["time_ratio"] > 0 for r in steps)
+    inference = result["inference"]
+    assert [r["pruned"] for r in inference] == [0, 1, 2]  # {0, L/2, L-2, L-1, L} for L = 2
+    assert inference[0]["speedup"] == 1.0 and inference[0]["mac_ratio"] == 1.0
+    bench = load_bench()
+    assert [r["mac_ratio"] for r in inference] == [bench.mac_ratio(2, k, 8, 16) for k in (0, 1, 2)]
+    assert "| attendout_rdrop |" in proc.stdout and "| MAC ratio |" in proc.stdout
