@@ -2,9 +2,10 @@
 
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.warm_process import run_command
 
 REPO = Path(__file__).resolve().parents[1]
 DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a download fails at once
@@ -14,13 +15,13 @@ OFFLINE = {"http_proxy": DEAD_PROXY, "https_proxy": DEAD_PROXY, "HTTPS_PROXY": D
 
 def run(cmd, ok=True, env=None):
     """Run a recipe module, script or fairseq tool on one thread with the test environment's tools
-    on PATH; ``proc.output`` is stdout + stderr. With ``ok``, a failure fails the test."""
+    on PATH (fairseq's tools start warm: tests/warm_process.py); ``proc.output`` is stdout +
+    stderr. With ``ok``, a failure fails the test."""
     # the test environment's tools first, then the system's (the recipe scripts use coreutils)
     path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
     full_env = {"PATH": path, "OMP_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1", "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300,
-                          env=full_env, cwd=REPO)  # the root: python -m experiments.*
+    proc = run_command(cmd, REPO, full_env, 300)  # the root: python -m experiments.*
     proc.output = proc.stdout + proc.stderr
     if ok:
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.warm_process import run_command
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TIMEOUT_S = 300
@@ -35,16 +37,15 @@ def tool(name):
     return str(path)
 
 
-def run(cmd, cwd, timeout=TIMEOUT_S):
-    """Run a command, capture its output; ``proc.output`` is stdout + stderr.
+def run(cmd, cwd, timeout=TIMEOUT_S, warm=True):
+    """Run a command, capture its output; ``proc.output`` is stdout + stderr. fairseq's tools
+    start warm (tests/warm_process.py) unless ``warm=False``.
 
     One intra-op thread: on a small machine shared with other jobs, torch's default (a
     thread per core, spin-waiting) makes these tiny models train 10-100x slower.
     """
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = run_command(cmd, cwd, env, timeout, warm=warm)
     proc.output = proc.stdout + "\n" + proc.stderr
     return proc
 

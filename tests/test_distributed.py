@@ -46,6 +46,7 @@ import pytest
 import torch
 
 from tests.test_cli import parse_stats, tail, tool
+from tests.warm_process import run_command
 
 TOL = 1e-5
 BATCH = 3  # examples per batch and rank
@@ -192,8 +193,7 @@ def check_ok(proc):
 
 
 def run(cmd, cwd):
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env(), capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    proc = run_command(cmd, cwd, env(), TIMEOUT_S)  # fairseq's tools start warm
     proc.output = proc.stdout + "\n" + proc.stderr
     return proc
 
