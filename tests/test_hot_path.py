@@ -2,6 +2,7 @@
 ops), host-device synchronisations, the Triton implementation through the criterion (in
 Triton's interpreter), and the benchmark script itself."""
 
+import json
 import os
 import subprocess
 import sys
@@ -19,10 +20,15 @@ REPO = Path(__file__).resolve().parents[1]
 def test_step_adds_few_ops_and_no_sync_over_the_floor():
     """V = 32k, 4096 target tokens per pass, --rdrop-chunk-mb 256: a whole training step
     dispatches at most 150 ops more than fairseq's cross-entropy on the doubled batch,
-    and synchronises no more often (the floor's syncs are the model's own)."""
-    floor = count_step_ops(*build_step("floor", 32000, 4096, arch_args=TINY_ARCH))
-    ours = count_step_ops(*build_step("ours-torch", 32000, 4096, arch_args=TINY_ARCH,
-                                      extra_args=["--rdrop-chunk-mb", "256"]))
+    and synchronises no more often (the floor's syncs are the model's own).
+
+    Counted at 512 tokens with --rdrop-chunk-mb 32: the same number of chunks, so the same
+    ops, one by one (the counts depend on shapes only through the chunk count; checked
+    once against 4096 tokens at 256 MiB: 614 and 733 ops either way), in a twentieth of
+    the time."""
+    floor = count_step_ops(*build_step("floor", 32000, 512, arch_args=TINY_ARCH))
+    ours = count_step_ops(*build_step("ours-torch", 32000, 512, arch_args=TINY_ARCH,
+                                      extra_args=["--rdrop-chunk-mb", "32"]))
     assert ours.total <= floor.total + 150, (ours.total, floor.total)
     assert ours.n_syncing <= floor.n_syncing, (ours.syncing, floor.syncing)
 
@@ -37,39 +43,41 @@ def test_padding_does_not_change_the_ops_a_step_dispatches():
     assert a.by_op == b.by_op
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-def test_triton_impl_matches_torch_impl_through_the_criterion(dtype):
+def test_triton_impl_matches_torch_impl_through_the_criterion():
     """--rdrop-impl triton runs the kernel on CPU tensors in Triton's interpreter
-    (TRITON_INTERPRET=1, set before triton is imported: hence a subprocess)."""
+    (TRITON_INTERPRET=1, set before triton is imported: hence a subprocess, one for the
+    three dtypes)."""
     pytest.importorskip("triton")
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import torch
         from benchmarks.bench_rdrop import TINY_ARCH, build_step
-        results = []
-        for method in ("ours-torch", "ours-triton"):
-            model, criterion, sample = build_step(method, 50, 64, arch_args=TINY_ARCH,
-                                                  dtype={dtype!r})
-            torch.manual_seed(3)
-            loss, _, log = criterion(model, sample)
-            loss.backward()
-            grads = torch.cat([p.grad.double().flatten() for p in model.parameters()
-                               if p.grad is not None])
-            results.append((loss.double(), log["rdrop_kl"].double(), grads))
-        (l1, k1, g1), (l2, k2, g2) = results
-        tol = dict(rtol=1e-4, atol=1e-5) if {dtype!r} == "float32" else dict(rtol=2e-2, atol=2e-3)
-        torch.testing.assert_close(l2, l1, **tol)
-        torch.testing.assert_close(k2, k1, **tol)
-        # a bf16/fp16 model's backward amplifies rounding differences where values cancel:
-        # the gradients are compared as a whole
-        relative = float((g2 - g1).norm() / g1.norm())
-        assert relative < (1e-4 if {dtype!r} == "float32" else 2e-2), relative
-        print("OK", float(l1), float(l2), relative)
+        for dtype in ("float32", "float16", "bfloat16"):
+            results = []
+            for method in ("ours-torch", "ours-triton"):
+                model, criterion, sample = build_step(method, 50, 64, arch_args=TINY_ARCH,
+                                                      dtype=dtype)
+                torch.manual_seed(3)
+                loss, _, log = criterion(model, sample)
+                loss.backward()
+                grads = torch.cat([p.grad.double().flatten() for p in model.parameters()
+                                   if p.grad is not None])
+                results.append((loss.double(), log["rdrop_kl"].double(), grads))
+            (l1, k1, g1), (l2, k2, g2) = results
+            tol = dict(rtol=1e-4, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-3)
+            torch.testing.assert_close(l2, l1, **tol, msg=lambda m: f"{dtype} loss: {m}")
+            torch.testing.assert_close(k2, k1, **tol, msg=lambda m: f"{dtype} KL: {m}")
+            # a bf16/fp16 model's backward amplifies rounding differences where values
+            # cancel: the gradients are compared as a whole
+            relative = float((g2 - g1).norm() / g1.norm())
+            assert relative < (1e-4 if dtype == "float32" else 2e-2), (dtype, relative)
+            print("OK", dtype, float(l1), float(l2), relative)
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "OK" in proc.stdout
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("OK")] == [
+        "float32", "float16", "bfloat16"]
 
 
 def test_triton_impl_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
@@ -82,19 +90,44 @@ def test_triton_impl_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch
         build_step("ours-triton", 50, 32, arch_args=TINY_ARCH)
 
 
-def test_benchmark_script_runs_and_prints_the_tables(tmp_path):
+def test_benchmark_script_runs_and_prints_the_tables(tmp_path, monkeypatch):
     """A tiny run of every section on CPU: the tables have a row per method, and each
-    ratio is against the floor of its row group."""
+    ratio is against the floor of its row group. The script measures each method in a
+    subprocess of its own (for its peak memory); here they run in this process, and the
+    next test runs that subprocess once."""
+    import benchmarks.bench_rdrop as bench
+
+    def in_this_process(kind, kw, env=None):
+        kw = dict(kw)
+        kw.pop("threads")
+        result = bench.run_loss(**kw) if kind == "loss" else bench.run_step(**kw)
+        return json.loads(json.dumps(result))  # what the worker prints, read back
+
     md = tmp_path / "bench.md"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_rdrop.py", "all", "--vocab", "64", "--tokens", "32",
-         "--step-vocab", "64", "--step-tokens", "32", "--repeats", "1", "--threads", "1",
-         "--markdown", str(md)],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    monkeypatch.setattr(bench, "_worker", in_this_process)
+    monkeypatch.setattr(sys, "argv", [
+        "bench_rdrop.py", "all", "--vocab", "64", "--tokens", "32", "--step-vocab", "64",
+        "--step-tokens", "32", "--repeats", "1", "--threads", "1", "--markdown", str(md)])
+    threads = torch.get_num_threads()
+    try:
+        bench.main()
+    finally:
+        torch.set_num_threads(threads)
     text = md.read_text()
     for method in ("floor", "upstream", "ours-torch"):
         assert text.count(f"| {method} |") == 2, text  # one loss row, one step row
     assert "| float32 V=64 N=32 | floor |" in text and "| 1.00 |" in text
     assert "error" not in text.lower()
+
+
+def test_benchmark_worker_measures_in_a_subprocess_of_its_own():
+    """What the script runs per method: a subprocess that prints one JSON line, and a
+    second one for the peak memory alone."""
+    import benchmarks.bench_rdrop as bench
+
+    kw = dict(method="ours-torch", vocab=64, tokens=32, repeats=1, threads=1, device="cpu",
+              dtype="float32", projection=0)
+    result = bench._in_subprocess("loss", **kw)
+    assert "error" not in result, result
+    assert result["time_s"] > 0 and result["ops"] > 0 and result["syncs"] == 0, result
+    assert result["peak_mib"] >= 0, result  # from the second subprocess (repeats 0)
