@@ -1,21 +1,28 @@
-"""The LibreOffice demo (``bash scripts/demo.sh``) can be stopped and run again: a rerun
-reuses the prepared data and the finished runs, continues an interrupted run from its
+"""The README's first command, the LibreOffice demo (``bash scripts/demo.sh``), shrunk: it
+trains, scores and plots every run, and it can be stopped and run again: a rerun reuses
+the prepared data and the finished runs, continues an interrupted run from its
 checkpoint, rebuilds a half-written data directory, refuses other settings in the same
---out, and ``--fresh`` starts over. Tiny settings: 200 training pairs, 2 epochs, 2 runs."""
+--out, and ``--fresh`` starts over. Tiny settings: 200 training pairs, 2 epochs, the
+baseline and R-Drop for seeds 1 and 2 and the doubled-batch control for seed 1. One test:
+each step starts from what the one before left."""
 
 import json
 import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import torch
+
+from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = ["bash", str(REPO / "scripts" / "demo.sh"), "--quick", "--epochs", "2",
-        "--train-pairs", "200", "--eval-pairs", "20", "--runs", "baseline", "R-Drop"]
+        "--train-pairs", "200", "--eval-pairs", "20", "--seeds", "1", "2"]
 
 
 def env(tmp_path):
@@ -77,14 +84,46 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     assert "smoke test" in output  # --quick says what it is
     assert not processes_mentioning(str(out)), "trainings left running"
 
-    # 2. the rerun reuses the data, finishes the runs and prints the table
+    # 2. the rerun reuses the data, trains and scores every run, prints the table, plots
     first = demo(tmp_path, out)
     assert first.returncode == 0, first.output[-4000:]
     assert "[demo] reusing the prepared data" in first.stdout
     assert "Please install tensorboardX" not in first.output  # setup.sh installs it
     assert "not a measurement" in first.stdout.split("| R-Drop |")[1]  # said after the table
+    assert "[R-Drop s2] epoch 1: valid BLEU" in first.stdout  # progress is streamed
     results = json.loads((out / "results.json").read_text())
-    assert [len(c) for r in results["runs"].values() for c in r["valid_curves"]] == [2, 2]
+    assert results["size"]["pairs"] == 200
+    runs = results["runs"]
+    assert list(runs) == ["baseline", "doubled batch", "R-Drop"]
+    assert runs["baseline"]["seeds"] == runs["R-Drop"]["seeds"] == [1, 2]
+    assert runs["doubled batch"]["seeds"] == [1]  # the control runs for the first seed only
+    for name, run in runs.items():
+        assert all(0 <= b <= 100 for b in run["test_bleu"])
+        assert all(len(c) == 2 for c in run["valid_curves"])
+        for seed, bleu in zip(run["seeds"], run["test_bleu"]):  # streamed as each run ends
+            assert f"[{name} s{seed}] test BLEU {bleu:.2f} (average of the last 2" in first.stdout
+    assert re.search(r"^\| doubled batch \| [\d.]+ ± – \(1 seed\) \| [\d.]+ \|$",
+                     first.stdout, re.M), first.stdout[-1500:]
+    for run in ("baseline", "R-Drop"):
+        assert re.search(rf"^\| {run} \| [\d.]+ ± [\d.]+ \| [\d.]+, [\d.]+ \|$", first.stdout,
+                         re.M), first.stdout[-1500:]
+    gain = statistics.mean(runs["R-Drop"]["test_bleu"]) - statistics.mean(
+        runs["baseline"]["test_bleu"])
+    assert f"R-Drop - baseline: {gain:+.2f} BLEU" in first.stdout
+    # the test score is the average of the last 2 epoch checkpoints (quick keeps 2)
+    allow_fairseq_checkpoint_globals()
+    for save_dir in ("baseline_seed1", "r_drop_seed2"):
+        assert sorted(p.name for p in (out / save_dir).glob("checkpoint[0-9]*.pt")) == [
+            "checkpoint1.pt", "checkpoint2.pt"]
+        first_epoch, second_epoch, avg = (
+            torch.load(out / save_dir / f"checkpoint{n}.pt", map_location="cpu")["model"]
+            for n in ("1", "2", "_avg2"))
+        for name, value in avg.items():
+            if value.is_floating_point():
+                torch.testing.assert_close(value, (first_epoch[name] + second_epoch[name]) / 2)
+    assert (out / "valid_bleu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    train_lines = (out / "data" / "tok" / "train.de").read_text().splitlines()
+    assert 150 < len(train_lines) <= 200  # the subset, after length cleaning
 
     # 3. a second rerun trains nothing and prints the same table from the saved results
     checkpoints = {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint*.pt")}
@@ -93,7 +132,7 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     assert again.returncode == 0, again.output[-4000:]
     assert "valid BLEU" not in again.stdout and "[demo] training" not in again.stdout
     assert "[baseline s1] finished earlier: test BLEU" in again.stdout
-    assert table(again.stdout) == table(first.stdout) and len(table(first.stdout)) == 3
+    assert table(again.stdout) == table(first.stdout) and len(table(first.stdout)) == 4
     assert json.loads((out / "results.json").read_text()) == results
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint*.pt")} == checkpoints
     assert {p: p.read_text() for p in out.glob("*.log")} == logs

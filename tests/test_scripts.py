@@ -1,17 +1,14 @@
-"""The recipe modules: data preparation, BLEU scoring, and the README's first command (the
-LibreOffice demo, shrunk)."""
+"""The recipe modules: data preparation and BLEU scoring. (The README's first command, the
+LibreOffice demo, is tested in test_demo_rerun.py.)"""
 
 import math
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,49 +105,3 @@ def test_sacrebleu_mode_prints_the_signature(tmp_path):
                           "--hyp", tmp_path / "hyp", "--ref", tmp_path / "ref"],
                          capture_output=True, text=True, check=True).stdout
     assert re.search(r"sacreBLEU = 100\.00\s+nrefs:1\|case:mixed\|eff:no\|tok:13a", out), out
-
-
-def test_libreoffice_demo_trains_scores_and_plots(tmp_path):
-    import json
-
-    out = tmp_path / "demo"
-    proc = subprocess.run(
-        [sys.executable, "-m", "rdrop_fairseq.recipes.libreoffice_demo", "--quick", "--epochs", "2",
-         "--train-pairs", "200", "--eval-pairs", "20", "--seeds", "1", "2", "--out", out],
-        capture_output=True, text=True, timeout=900,
-        env={"PATH": str(Path(sys.executable).parent), "HOME": str(tmp_path)},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[R-Drop s2] epoch 1: valid BLEU" in proc.stdout  # progress is streamed
-    results = json.loads((out / "results.json").read_text())
-    assert results["size"]["pairs"] == 200
-    runs = results["runs"]
-    assert list(runs) == ["baseline", "doubled batch", "R-Drop"]
-    assert runs["baseline"]["seeds"] == runs["R-Drop"]["seeds"] == [1, 2]
-    assert runs["doubled batch"]["seeds"] == [1]  # the control runs for the first seed only
-    for name, run in runs.items():
-        assert all(0 <= b <= 100 for b in run["test_bleu"])
-        assert all(len(c) == 2 for c in run["valid_curves"])
-        for seed, bleu in zip(run["seeds"], run["test_bleu"]):  # streamed as each run ends
-            assert f"[{name} s{seed}] test BLEU {bleu:.2f} (average of the last 2" in proc.stdout
-    assert re.search(r"^\| doubled batch \| [\d.]+ ± – \(1 seed\) \| [\d.]+ \|$", proc.stdout,
-                     re.M), proc.stdout[-1500:]
-    mean = {run: statistics.mean(runs[run]["test_bleu"]) for run in runs}
-    gain = mean["R-Drop"] - mean["baseline"]
-    assert f"R-Drop - baseline: {gain:+.2f} BLEU" in proc.stdout
-    # the test score is the average of the last 2 epoch checkpoints (quick keeps 2)
-    allow_fairseq_checkpoint_globals()
-    for save_dir in ("baseline_seed1", "r_drop_seed2"):
-        assert sorted(p.name for p in (out / save_dir).glob("checkpoint[0-9]*.pt")) == [
-            "checkpoint1.pt", "checkpoint2.pt"]
-        first, second, avg = (torch.load(out / save_dir / f"checkpoint{n}.pt", map_location="cpu")
-                              ["model"] for n in ("1", "2", "_avg2"))
-        for name, value in avg.items():
-            if value.is_floating_point():
-                torch.testing.assert_close(value, (first[name] + second[name]) / 2)
-    for run in ("baseline", "R-Drop"):
-        assert re.search(rf"^\| {run} \| [\d.]+ ± [\d.]+ \| [\d.]+, [\d.]+ \|$", proc.stdout,
-                         re.M), proc.stdout[-1500:]
-    assert (out / "valid_bleu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    train_lines = (out / "data" / "tok" / "train.de").read_text().splitlines()
-    assert 150 < len(train_lines) <= 200  # the subset, after length cleaning
