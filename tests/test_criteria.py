@@ -767,6 +767,20 @@ def test_classification_accuracy_is_read_before_the_gradient_overwrites_the_logi
     assert logs["ncorrect"] == (logits.argmax(1) == targets).sum() / 2
 
 
+def test_keep_logits_from_the_command_line():
+    """--rdrop-keep-logits is a flag of every R-Drop criterion and reaches the loss call."""
+    for criterion, flags, expected in [
+            ("label_smoothed_cross_entropy_rdrop", ["--rdrop-keep-logits"], False),
+            ("label_smoothed_cross_entropy_rdrop", [], "auto"),
+            ("cross_entropy_rdrop", ["--rdrop-keep-logits"], False)]:
+        case = translation_case()
+        case.build_model(dropout=0.1)
+        _, cfg = parse(["--task", "translation", "--arch", "transformer_iwslt_de_en",
+                        "--criterion", criterion, "--rdrop-alpha", "1", *flags])
+        assert cfg.criterion.rdrop_keep_logits is bool(flags)
+        assert case.task.build_criterion(cfg.criterion).grad_in_logits == expected
+
+
 def recorded_and_reference(name, keep_logits, alpha=5.0, seed=7):
     """A forward hook records the logits the way a user would, ``output.detach()`` (shares
     storage), through one training step (criterion + backward) of ``name``'s model; returns
