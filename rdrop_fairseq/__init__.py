@@ -3,11 +3,19 @@
 Use it with ``--user-dir $(python -m rdrop_fairseq)`` and one of the criteria
 ``label_smoothed_cross_entropy_rdrop``, ``cross_entropy_rdrop``, ``adaptive_loss_rdrop``,
 ``sentence_prediction_rdrop``; and AttendOut: the model ``roberta_attendout`` and the task
-``sentence_prediction_attendout`` (docs/attendout.md). The framework-free core is :mod:`rdrop_fairseq.core`; it
-needs only torch.
+``sentence_prediction_attendout`` (docs/attendout.md). The framework-free core,
+:mod:`rdrop_fairseq.core` and :mod:`rdrop_fairseq.fused_linear`, needs only torch:
+importing it does not import fairseq, even where fairseq is installed (docs/plain-pytorch.md).
+
+The criteria, models and tasks are registered with fairseq as soon as both this package and
+fairseq are imported, in either order: at once if fairseq is loaded already (``--user-dir``,
+``common.user_dir``), otherwise when fairseq is first imported. :func:`register` does it
+explicitly.
 """
 
+import importlib.abc
 import importlib.util
+import sys
 
 from .checkpoint_compat import allow_fairseq_checkpoint_globals
 
@@ -17,8 +25,52 @@ __version__ = "0.1.0"
 # checkpoints for training resumption, fairseq-generate and fairseq-eval-lm.
 allow_fairseq_checkpoint_globals()
 
-# Without fairseq the core is still usable; with it, the criteria get registered. (The two
-# fairseq 0.12 bugs the summarization recipe hits are fixed by that recipe alone, not here:
-# see fairseq_fixes.)
-if importlib.util.find_spec("fairseq") is not None:
-    from . import criterions, models, tasks  # noqa: F401,E402
+
+def register():
+    """Register the plugin's criteria, models and tasks with fairseq (imports fairseq).
+
+    Never needed after ``import fairseq`` or under ``--user-dir``; harmless to repeat. (The
+    two fairseq 0.12 bugs the summarization recipe hits are fixed by that recipe alone, not
+    here: see fairseq_fixes.)
+    """
+    from . import criterions, models, tasks  # noqa: F401
+
+
+class _RegisterAfterFairseq(importlib.abc.MetaPathFinder):
+    """Calls :func:`register` once ``import fairseq`` has run, then leaves ``sys.meta_path``.
+
+    Needed because fairseq's ``import_user_module`` (``--user-dir``) imports nothing when a
+    module of the user dir's name is loaded already: a script that imported ``rdrop_fairseq``
+    (for the core, a recipe, ``python -m rdrop_fairseq.fairseq_fixes``) before running
+    fairseq in-process would otherwise get no criteria.
+    """
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "fairseq":
+            return None
+        sys.meta_path.remove(self)  # one shot; also keeps the search below from coming back
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenRegister(spec.loader)
+        return spec
+
+
+class _ThenRegister(importlib.abc.Loader):
+    """Loads fairseq with its own loader, puts that loader back, then registers."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        register()
+
+
+if "fairseq" in sys.modules:
+    register()
+elif importlib.util.find_spec("fairseq") is not None:
+    sys.meta_path.insert(0, _RegisterAfterFairseq())

@@ -767,6 +767,78 @@ def test_classification_accuracy_is_read_before_the_gradient_overwrites_the_logi
     assert logs["ncorrect"] == (logits.argmax(1) == targets).sum() / 2
 
 
+def test_keep_logits_from_the_command_line():
+    """--rdrop-keep-logits is a flag of every R-Drop criterion and reaches the loss call."""
+    for criterion, flags, expected in [
+            ("label_smoothed_cross_entropy_rdrop", ["--rdrop-keep-logits"], False),
+            ("label_smoothed_cross_entropy_rdrop", [], "auto"),
+            ("cross_entropy_rdrop", ["--rdrop-keep-logits"], False)]:
+        case = translation_case()
+        case.build_model(dropout=0.1)
+        _, cfg = parse(["--task", "translation", "--arch", "transformer_iwslt_de_en",
+                        "--criterion", criterion, "--rdrop-alpha", "1", *flags])
+        assert cfg.criterion.rdrop_keep_logits is bool(flags)
+        assert case.task.build_criterion(cfg.criterion).grad_in_logits == expected
+
+
+def recorded_and_reference(name, keep_logits, alpha=5.0, seed=7):
+    """A forward hook records the logits the way a user would, ``output.detach()`` (shares
+    storage), through one training step (criterion + backward) of ``name``'s model; returns
+    what it holds after the step, the logits of the same forward made independently (same
+    dropout masks), and the float64 gradient of the paper's loss with respect to them."""
+    case = CASES[name]()
+    model = case.build_model(dropout=0.3)
+    model.train()
+    sample = case.make_sample()
+    translation = name == "translation"
+    module = model.decoder if translation else model.classification_heads[HEAD]
+    recorded = []
+    hook = module.register_forward_hook(
+        lambda m, i, out: recorded.append((out[0] if translation else out).detach()))
+    run(case.ours(alpha=alpha, rdrop_keep_logits=keep_logits), model, sample, seed=seed)
+    hook.remove()
+
+    pair = doubled(sample)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        if translation:
+            logits = model(**pair["net_input"])[0]
+        else:
+            logits = model(**pair["net_input"], features_only=True,
+                           classification_head_name=HEAD)[0]
+    leaf = logits.double().requires_grad_()
+    lprobs = leaf.log_softmax(-1)
+    if translation:
+        loss, _ = token_reference(lprobs, pair["target"], case.task.target_dictionary.pad(),
+                                  alpha, 0.1)
+    else:  # sentence_prediction: NLL of both passes + alpha * symmetric KL
+        p_log, q_log = lprobs.chunk(2)
+        loss = (-lprobs.gather(1, pair["target"].view(-1, 1)).sum()
+                + alpha * 0.5 * ((p_log.exp() - q_log.exp()) * (p_log - q_log)).sum())
+    (grad,) = torch.autograd.grad(loss, leaf)
+    assert len(recorded) == 1
+    return recorded[0], logits, grad
+
+
+@pytest.mark.parametrize("name", ["translation", "classification"])
+def test_a_hook_recording_the_logits_reads_them_with_keep_logits(name):
+    """--rdrop-keep-logits (issue 26): the logits a forward hook recorded without a copy are
+    still the logits after the step (the gradient went into a buffer of its own)."""
+    recorded, logits, grad = recorded_and_reference(name, keep_logits=True)
+    torch.testing.assert_close(recorded, logits, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(recorded.double(), grad, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["translation", "classification"])
+def test_without_keep_logits_a_hook_recording_the_logits_reads_their_gradient(name):
+    """What README's --rdrop-keep-logits row says a reader gets without the flag: after the
+    backward, the logits' buffer holds the gradient of the criterion's loss (the sum that
+    fairseq normalises afterwards) with respect to the logits."""
+    recorded, logits, grad = recorded_and_reference(name, keep_logits=False)
+    torch.testing.assert_close(recorded.double(), grad, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(recorded, logits, atol=1e-3)
+
+
 def test_log_prob_fallback_is_logged_once(caplog):
     import types
 

@@ -74,6 +74,15 @@ class RDropConfig(FairseqDataclass):
             "transformer, BART, transformer_lm without adaptive softmax)"
         },
     )
+    rdrop_keep_logits: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the model's logits intact: the fused loss writes the logits' "
+            "gradient into a buffer of its own (2N x V more memory) instead of into the "
+            "logits' buffer. For forward hooks, distillation or anything else that reads "
+            "the logits after the loss; without it, such a reader sees the gradient"
+        },
+    )
 
 
 # the criteria whose loss --rdrop-fused-linear can compute from the features
@@ -90,7 +99,8 @@ class RDropMixin:
         self.init_rdrop(parent_name, **{name: getattr(cfg, name) for name in options})
 
     def init_rdrop(self, parent_name, rdrop_alpha=0.0, rdrop_two_passes=False,
-                   rdrop_chunk_mb=0.0, rdrop_impl="auto", rdrop_fused_linear=False):
+                   rdrop_chunk_mb=0.0, rdrop_impl="auto", rdrop_fused_linear=False,
+                   rdrop_keep_logits=False):
         alpha = float(rdrop_alpha)
         if not alpha >= 0 or math.isinf(alpha):  # also rejects NaN
             raise ValueError(
@@ -127,6 +137,8 @@ class RDropMixin:
                 f" (token-level losses over a vocabulary), not {parent_name}_rdrop"
             )
         self.rdrop_fused_linear = bool(rdrop_fused_linear)
+        # where the fused loss may put the logits' gradient: their own buffer, when safe
+        self.grad_in_logits = False if rdrop_keep_logits else "auto"
         self.rdrop_alpha = alpha
         self.rdrop_two_passes = bool(rdrop_two_passes)
         self.rdrop_chunk_mb = chunk_mb
@@ -236,9 +248,10 @@ class RDropMixin:
                 scores, log_probs = model.get_normalized_probs(net_output, log_probs=True), True
             # before the loss, which may write the gradient into the logits' buffer
             predicted = scores.argmax(-1) if report_accuracy else None
-            # nothing reads the logits after this call: their buffer may take the gradient
+            # unless --rdrop-keep-logits, the logits' buffer may take the gradient
             out = self.rdrop_loss(scores, target, epsilon=epsilon, ignore_index=self.padding_idx,
-                                  keep=keep, log_probs=log_probs, grad_in_scores="auto")
+                                  keep=keep, log_probs=log_probs,
+                                  grad_in_scores=self.grad_in_logits)
         if report_accuracy:
             predicted = predicted.view(2, *target.shape)
             logging_output["n_correct"] = (predicted.eq(target) & mask).sum() / 2

@@ -52,7 +52,8 @@ class SentencePredictionRDropCriterion(RDropMixin, SentencePredictionCriterion):
             # before the loss, which may write the gradient into the logits' buffer
             logging_output["ncorrect"] = (logits.argmax(dim=1) == targets).sum() / 2
             # NLL of both passes (sentence_prediction's loss) + alpha * KL, from the logits
-            out = self.rdrop_loss(logits, targets[:sample_size], grad_in_scores="auto")
+            out = self.rdrop_loss(logits, targets[:sample_size],
+                                  grad_in_scores=self.grad_in_logits)
             total, task_loss = out.total, out.loss
             logging_output["rdrop_kl"] = out.kl
         else:
