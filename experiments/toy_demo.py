@@ -64,10 +64,14 @@ def main():
     p.add_argument("--max-update", type=int, default=1500)
     p.add_argument("--with-baseline", action="store_true",
                    help="also train the baseline (fairseq's label_smoothed_cross_entropy)")
+    p.add_argument("--train-pairs", type=int, default=4000, help="toy training pairs")
+    p.add_argument("--eval-pairs", type=int, default=200,
+                   help="toy validation and test pairs, each")
     a = p.parse_args()
     runs = [BASELINE, RDROP] if a.with_baseline else [RDROP]
     out = Path(a.out)
-    raw = write_corpus(out / "raw", {"train": 4000, "valid": 200, "test": 200})
+    raw = write_corpus(out / "raw", {"train": a.train_pairs, "valid": a.eval_pairs,
+                                     "test": a.eval_pairs})
     print(f"[demo] toy corpus in {raw}; binarizing", flush=True)
     run([fairseq_cli("fairseq-preprocess"), "--source-lang", "de", "--target-lang", "en",
          "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_toy_demo_trains_generates_and_prints_the_table(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "experiments.toy_demo", "--out", tmp_path / "demo",
-         "--max-update", "20", "--with-baseline"],
+         "--max-update", "4", "--train-pairs", "400", "--eval-pairs", "20", "--with-baseline"],
         capture_output=True, text=True, timeout=600,
         env={"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1"}, cwd=REPO,
     )
