@@ -272,6 +272,7 @@ def test_fused_linear_is_refused_where_it_cannot_serve():
         case.ours(alpha=1.0, rdrop_fused_linear=True)
 
 
+@pytest.mark.slow
 def test_fairseq_train_with_fused_linear_matches_the_unfused_run(translation_data, user_dir,
                                                                    tmp_path):
     """fairseq-train end to end on tiny data (--update-freq 2, --report-accuracy): the same
