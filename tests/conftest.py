@@ -8,3 +8,28 @@ import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+# The files that take longest (summed test durations of a whole run, this machine), run
+# first: pytest-xdist hands out whole files (--dist loadfile) in collection order, and a
+# long file collected last leaves the other workers idle at the end.
+SLOWEST_FIRST = [
+    "tests/test_demo_rerun.py",
+    "experiments/tests/test_sotu.py",
+    "tests/test_translation_recipe.py",
+    "tests/test_glue_recipe.py",
+    "tests/test_attendout.py",
+    "experiments/tests/test_libreoffice_summaries.py",
+    "tests/test_criteria.py",
+    "tests/test_lm_recipe.py",
+    "tests/test_reliability.py",
+]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+
+    def key(item):
+        path = item.nodeid.split("::")[0]
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)  # stable: the order within a file and of the other files is kept
