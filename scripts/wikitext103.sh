@@ -60,16 +60,16 @@ evaluate() {
   need "$SAVE_DIR/checkpoint_best.pt" "train first: bash scripts/wikitext103.sh train"
   # test perplexity of checkpoint_best.pt with fairseq-eval-lm. The authors' protocol
   # (their evaluate_lm_wiki103.sh: --batch-size 2 --tokens-per-sample 512 --context-window
-  # 400) for both models; for ARCH=adaptive the model's standard protocol first (3072-token
-  # blocks, 2560 tokens of context: the headline, test_ppl.json), the authors' beside it
-  local protocols=(authors) json=test_ppl.json
+  # 400: 112-token blocks after up to 400 tokens of context) for both models; for
+  # ARCH=adaptive the model's standard protocol first (--tokens-per-sample 3072
+  # --context-window 2560: blocks of at most 512 tokens after up to 2560 tokens of context;
+  # the headline, test_ppl.json), the authors' beside it (test_ppl.authors.json). A --json
+  # among the arguments moves both (PATH, PATH's stem.authors.json); a --protocol is an error
+  local protocols=(authors)
   [ "$ARCH" = gpt ] || protocols=(adaptive authors)
-  for protocol in "${protocols[@]}"; do
-    run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_lm --protocol "$protocol" --data "$BIN" \
-        --checkpoint "$SAVE_DIR/checkpoint_best.pt" --json "$SAVE_DIR/$json" \
-        "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
-    json=test_ppl.${protocols[-1]}.json  # the second protocol's, beside the headline
-  done
+  run_module "$PYTHON" -m rdrop_fairseq.recipes.evaluate_lm --protocol "${protocols[@]}" \
+      --data "$BIN" --checkpoint "$SAVE_DIR/checkpoint_best.pt" --json "$SAVE_DIR/test_ppl.json" \
+      "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
 }
 
 run_stages

@@ -80,7 +80,7 @@ evaluate() {
   # their issue #19), En->Fr beam 5 / lenpen 1.0 (the paper's setting for the other tasks);
   # tokenized BLEU (En->De with compound splitting, fairseq's compound_split_bleu.sh), the
   # other BLEUs of the same output beside it
-  run "$PYTHON" -m rdrop_fairseq.recipes.evaluate_translation wmt14 --data "$BIN" \
+  run_module "$PYTHON" -m rdrop_fairseq.recipes.evaluate_translation wmt14 --data "$BIN" \
       --src "$SRC" --tgt "$TGT" --checkpoint "$checkpoint" "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
 }
 

@@ -35,10 +35,13 @@ def script(name, *args, ok=True, **env):
 
 
 def dry_run(name, *args, ok=True, **env):
-    """The commands scripts/NAME.sh prints with DRY_RUN=1, each an argv list; and the run."""
+    """The commands scripts/NAME.sh prints with DRY_RUN=1, each an argv list; and the run.
+    ``proc.inner``: the commands the recipe modules it runs would run (``++ `` lines: the
+    evaluate stages' fairseq-generate, fairseq-eval-lm)."""
     proc = script(name, *args, ok=ok, DRY_RUN=1, **env)
-    commands = [shlex.split(line[2:]) for line in proc.stdout.splitlines()
-                if line.startswith("+ ")]
+    lines = proc.stdout.splitlines()
+    commands = [shlex.split(line[2:]) for line in lines if line.startswith("+ ")]
+    proc.inner = [shlex.split(line[3:]) for line in lines if line.startswith("++ ")]
     return commands, proc
 
 

@@ -90,6 +90,23 @@ def test_triton_impl_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch
         build_step("ours-triton", 50, 32, arch_args=TINY_ARCH)
 
 
+def test_triton_impl_with_cpu_is_refused_even_where_cuda_is_available(monkeypatch):
+    """--cpu with --rdrop-impl triton on a machine with CUDA: refused when the criterion is
+    built (it used to pass this check and fail at the first step). fairseq's --cpu reaches
+    the criterion's config; without --cpu the same criterion builds."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="--rdrop-impl triton needs a CUDA GPU, and --cpu "):
+        build_step("ours-triton", 50, 32, arch_args=TINY_ARCH)  # device="cpu": --cpu
+    from tests.test_criteria import translation_case
+    case = translation_case()
+    case.build_model(dropout=0.1)
+    with pytest.raises(ValueError, match="and --cpu trains on the CPU"):
+        case.ours(alpha=1.0, rdrop_impl="triton", cpu=True)
+    assert case.ours(alpha=1.0, rdrop_impl="triton", cpu=False).rdrop_impl == "triton"
+
+
 def test_benchmark_script_runs_and_prints_the_tables(tmp_path, monkeypatch):
     """A tiny run of every section on CPU: the tables have a row per method, and each
     ratio is against the floor of its row group. The script measures each method in a

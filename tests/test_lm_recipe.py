@@ -317,11 +317,67 @@ def test_evaluate_protocols_are_the_authors_and_the_adaptive_input_standard(wiki
 
 def test_evaluate_stage_reports_both_protocols_for_adaptive_input(tmp_path):
     for arch, protocols in (("gpt", ["authors"]), ("adaptive", ["adaptive", "authors"])):
-        commands, _ = dry_run("wikitext103", "evaluate", ARCH=arch, GPUS=0,
-                              SAVE_DIR=tmp_path / arch)
-        assert [c[c.index("--protocol") + 1] for c in commands] == protocols
-        jsons = [Path(c[c.index("--json") + 1]).name for c in commands]
-        assert jsons == ["test_ppl.json", "test_ppl.authors.json"][:len(protocols)]
+        (command,), proc = dry_run("wikitext103", "evaluate", ARCH=arch, GPUS=0,
+                                   SAVE_DIR=tmp_path / arch)
+        i = command.index("--protocol") + 1
+        assert command[i:i + len(protocols) + 1] == [*protocols, "--data"]
+        assert Path(command[command.index("--json") + 1]).name == "test_ppl.json"
+        assert [c[c.index("--context-window") + 1] for c in proc.inner] == [
+            {"authors": "400", "adaptive": "2560"}[p] for p in protocols]
+
+
+def test_docs_say_what_each_protocol_scores():
+    """fairseq-eval-lm scores blocks of tokens-per-sample minus context-window tokens (issue
+    26: the adaptive protocol was described as scoring 3072-token blocks): evaluate_lm's
+    docstring and docs/language-modeling.md give each protocol's block and context."""
+    docs = (REPO / "docs" / "language-modeling.md").read_text()
+    for text in (" ".join(evaluate_lm.__doc__.split()), " ".join(docs.split())):
+        for protocol, s in evaluate_lm.PROTOCOLS.items():
+            block = s["tokens_per_sample"] - s["context_window"]
+            of = "of at most " if s["sample_break_mode"] == "complete" else "of "
+            assert re.search(rf"blocks (of whole lines )?{of}{block}\b[^.]*? tokens\b[^.]*?, "
+                             rf"each after up to {s['context_window']} tokens of context",
+                             text), protocol
+        assert "3072-token blocks with" not in text
+
+
+def fake_eval_lm(folder):
+    """A stand-in fairseq-eval-lm (for FAIRSEQ_BIN) whose perplexity is the
+    --tokens-per-sample it was given: which protocol wrote a result shows in it."""
+    folder.mkdir()
+    tool = folder / "fairseq-eval-lm"
+    tool.write_text("#!/bin/sh\n"
+                    'while [ $# -gt 0 ]; do [ "$1" = --tokens-per-sample ] && t=$2; shift; done\n'
+                    'echo "Evaluated 1,000 tokens in 1.0s (1000.00 tokens/s)"\n'
+                    'echo "Loss (base 2): 1.5, Perplexity: $t"\n')
+    tool.chmod(0o755)
+    return folder
+
+
+def test_each_protocol_result_lands_in_its_own_json(tmp_path):
+    """ARCH=adaptive with --json among the arguments (issue 26): the headline (the adaptive
+    protocol) in that file, the authors' protocol beside it, nothing overwritten; the
+    script's default test_ppl.json is not written. A --protocol there is an error."""
+    data, save = tmp_path / "data", tmp_path / "ckpt"
+    (data / "bin").mkdir(parents=True)
+    (data / "bin" / "dict.txt").write_text("a 1\n")
+    save.mkdir()
+    (save / "checkpoint_best.pt").write_bytes(b"")
+    env = dict(ARCH="adaptive", GPUS=0, DATA_DIR=data, SAVE_DIR=save,
+               FAIRSEQ_BIN=fake_eval_lm(tmp_path / "bin"))
+    script("wikitext103", "evaluate", "--subset", "valid", "--json", tmp_path / "valid.json",
+           **env)
+    headline = json.loads((tmp_path / "valid.json").read_text())
+    beside = json.loads((tmp_path / "valid.authors.json").read_text())
+    assert (headline["protocol"], headline["perplexity"], headline["context_window"]) == (
+        "adaptive", 3072, 2560)
+    assert (beside["protocol"], beside["perplexity"], beside["context_window"]) == (
+        "authors", 512, 400)
+    assert headline["subset"] == beside["subset"] == "valid"
+    assert not (save / "test_ppl.json").exists()
+    proc = script("wikitext103", "evaluate", "--protocol", "authors", ok=False, **env)
+    assert proc.returncode != 0 and "--protocol given twice" in proc.stderr, proc.output
+    assert not (save / "test_ppl.json").exists()
 
 
 def test_evaluate_exits_non_zero_when_the_output_has_no_perplexity(wikitext, tmp_path):

@@ -3,8 +3,11 @@ the paper's batch per update, the precision flags, what each MODE turns into, se
 and the one-line errors. No GPU needed: DRY_RUN prints the commands instead of running them.
 (The tiny real runs through the scripts are in the recipe tests, one per task family.)"""
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -193,11 +196,55 @@ def test_wmt14_google_data_is_the_authors_en_de():
     assert proc.returncode != 0 and "GOOGLE is Google's WMT'16 En-De" in proc.stderr
 
 
-def test_iwslt_sacrebleu_is_cased_except_for_the_lower_cased_de_en_data():
-    for (src, tgt), lowercase in ((("de", "en"), True), (("en", "de"), True),
-                                  (("en", "fr"), False), (("es", "en"), False)):
-        (command,), _ = dry_run("iwslt14", "evaluate", GPUS=0, SRC=src, TGT=tgt)
-        assert ("--lowercase" in command) == lowercase, command
+def test_the_dry_run_prints_the_commands_the_evaluation_runs():
+    """The evaluate stages' modules run fairseq-generate / fairseq-eval-lm themselves: a dry
+    run prints those too (``++ `` lines), with the settings the real run uses."""
+    def option(cmd, name):
+        return cmd[cmd.index(name) + 1]
+
+    (outer,), proc = dry_run("iwslt14", "evaluate", GPUS=0)
+    (inner,) = proc.inner
+    assert Path(inner[0]).name == "fairseq-generate" and inner[-1] == "--cpu"
+    assert option(inner, "--path") == option(outer, "--checkpoint")
+    assert (option(inner, "--source-lang"), option(inner, "--beam"),
+            option(inner, "--lenpen")) == ("de", "5", "1.0")
+    _, proc = dry_run("wmt14", "evaluate", GPUS=1, AVERAGE=10, FAIRSEQ_BIN="/opt/fs/bin")
+    (inner,) = proc.inner  # the averaged checkpoint, the paper's En->De decoding
+    assert inner[0] == "/opt/fs/bin/fairseq-generate" and "--cpu" not in inner
+    assert option(inner, "--path").endswith("/checkpoint.avg10.pt")
+    assert (option(inner, "--beam"), option(inner, "--lenpen")) == ("4", "0.6")
+    _, proc = dry_run("wikitext103", "evaluate", GPUS=0, ARCH="adaptive")
+    assert [(Path(c[0]).name, option(c, "--tokens-per-sample"), option(c, "--context-window"))
+            for c in proc.inner] == [("fairseq-eval-lm", "3072", "2560"),
+                                     ("fairseq-eval-lm", "512", "400")]
+
+
+def test_training_and_evaluation_run_the_fairseq_beside_python(tmp_path):
+    """One rule for the scripts and the recipe modules: the fairseq CLIs beside $PYTHON
+    (the environment that runs the recipe) before those on PATH; so the training command
+    and the evaluation's fairseq-eval-lm come from the same install."""
+    venv = Path(sys.prefix)
+    if not (venv / "pyvenv.cfg").is_file():
+        pytest.skip("the tests do not run in a virtual environment to copy")
+    env = tmp_path / "env"  # a second environment: this one's interpreter and libraries
+    (env / "bin").mkdir(parents=True)
+    shutil.copy(venv / "pyvenv.cfg", env)
+    (env / "lib").symlink_to(venv / "lib")
+    (env / "bin" / "python3").symlink_to(Path(sys.executable).resolve())
+    other = tmp_path / "elsewhere"  # another fairseq, first on PATH
+    other.mkdir()
+    for folder in (env / "bin", other):
+        for tool in ("fairseq-hydra-train", "fairseq-eval-lm"):
+            (folder / tool).write_text("#!/bin/sh\nexit 1\n")
+            (folder / tool).chmod(0o755)
+    path = os.pathsep.join([str(other), str(Path(sys.executable).parent), "/usr/bin", "/bin"])
+    commands, proc = dry_run("wikitext103", "all", GPUS=0, PYTHON=env / "bin" / "python3",
+                             PATH=path, DATA_DIR=tmp_path / "data", SAVE_DIR=tmp_path / "ckpt")
+    train = next(c for c in commands if "--config-dir" in c)
+    (evaluate,) = proc.inner
+    for cmd, tool in ((train, "fairseq-hydra-train"), (evaluate, "fairseq-eval-lm")):
+        assert Path(cmd[0]).name == tool, cmd
+        assert Path(cmd[0]).parent.resolve() == (env / "bin").resolve(), cmd
 
 
 # ------------------------------------------------------------------ GLUE: sentences, one GPU

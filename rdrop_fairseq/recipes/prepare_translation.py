@@ -31,10 +31,12 @@ validation set instead (fairseq: N = 23 for IWSLT14, 100 for WMT14 En-De, 1333 f
 
 Writes ``OUT/tok`` (tokenised text; raw text with sentencepiece), ``OUT/bpe`` (subwords),
 ``OUT/bpe.codes`` or ``OUT/bin/spm*.model``, and ``OUT/bin`` (the data-bin; evaluation and
-training recognise sentencepiece data by the ``spm*.model`` files in it).
+training recognise sentencepiece data by the ``spm*.model`` files in it, and
+evaluate_translation.py lower-cased data by ``OUT/bin/prepared.json``).
 """
 
 import functools
+import json
 import multiprocessing
 import random
 import re
@@ -52,6 +54,7 @@ from .common import ArgumentParser, REPO, fairseq_cli, made_or_removed
 from .prepare_libreoffice_corpus import read_pairs
 
 SPLITS = ("train", "valid", "test")
+PREPARED = "prepared.json"  # in the data-bin: {"lowercase": ...}, read by evaluation
 MOSES_DOES_NOT_SEGMENT = ("zh", "ja", "ko", "th")
 
 
@@ -292,6 +295,8 @@ def prepare(a):
         for lang, lines in zip((a.src, a.tgt), sub[split]):
             write_lines(a.out / "bpe" / f"{split}.{lang}", lines)
     binarize(a.out / "bpe", bin_dir, a.src, a.tgt, not a.separate_dictionaries, a.workers)
+    # what evaluation must know of the text: lower-cased data is scored case-insensitively
+    (bin_dir / PREPARED).write_text(json.dumps({"lowercase": bool(a.lowercase)}) + "\n")
     print(f"[prepare] data-bin: {bin_dir}", flush=True)
 
 

@@ -142,7 +142,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         defender = dict(sample, net_input=dict(sample["net_input"], attendout_role="defender"))
         amp = isinstance(optimizer, _amp_optimizer_types())
         with torch.autograd.profiler.record_function("forward"):
-            with torch.cuda.amp.autocast(enabled=amp):
+            with torch.autocast(tokens.device.type, enabled=amp):
                 loss, sample_size, logging_output = criterion(model, attacker)
                 defender_loss, _, defender_log = criterion(model, defender)
         total = loss + defender_loss

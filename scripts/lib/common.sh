@@ -42,8 +42,19 @@ run() {
   [ "${DRY_RUN:-0}" = 1 ] || "$@"
 }
 
-# The path of fairseq's CLI $1: in $FAIRSEQ_BIN if set, else beside $PYTHON (the same
-# environment), else found on PATH; the dry run prints the same path as the real run.
+# run for a recipe module that runs fairseq's CLIs (the evaluate stages): with DRY_RUN=1
+# the module runs too, in its own dry run: it checks its arguments, prints the commands it
+# would run, "++ " first, and runs none (so the dry run needs $PYTHON's environment).
+run_module() {
+  run "$@"
+  [ "${DRY_RUN:-0}" = 1 ] || return 0
+  DRY_RUN=1 "$@" || die "the dry run of $3 failed (its messages are above)"
+}
+
+# The path of fairseq's CLI $1: in $FAIRSEQ_BIN if set, else beside $PYTHON (the
+# environment of the recipe modules), else found on PATH; the dry run prints the same path
+# as the real run. The recipe modules find their CLIs by the same rule
+# (rdrop_fairseq/recipes/common.py), so training and evaluation run the same fairseq.
 fairseq_cli() {
   if [ -n "${FAIRSEQ_BIN:-}" ]; then
     echo "$FAIRSEQ_BIN/$1"
