@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
 from rdrop_fairseq.opcount import count_ops
@@ -139,26 +140,49 @@ def test_tied_weight_gets_the_gradient_of_both_uses():
     assert_close(results[0], results[1])
 
 
-def test_no_grad_computes_no_gradient_and_the_same_loss():
-    features, weight, b, target = inputs()
-    with torch.no_grad():
-        a = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
-    c = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
-    assert a.total.item() == pytest.approx(c.total.item(), rel=1e-6)
-    assert a.total.grad_fn is None
-
-
 class LargestTensor(TorchDispatchMode):
+    """``largest``: the numel of the largest tensor an op allocates. Outputs that share an
+    input's storage (views, in-place and ``out=`` results) are not allocations: a view of
+    the V x d weight is not a V x d tensor."""
+
     def __init__(self):
         super().__init__()
         self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if torch.is_tensor(t):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in tree_leaves(out):
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+@pytest.mark.parametrize("features_need_grad", [False, True])
+def test_no_grad_does_no_gradient_work_and_gives_the_same_loss(features_need_grad):
+    """Validation calls the loss under no_grad with the model's Parameters, which still
+    require grad (``needs_input_grad`` says True for them, whatever the grad mode), on
+    features that do not (a no_grad forward) or do: no V x d weight gradient is allocated
+    and the only matrix products are the logits' (one ``mm`` per chunk; with grad there are
+    two ``mm`` and one ``addmm_`` per chunk, which the same counters see)."""
+    features, weight, b, target = inputs()
+    if not features_need_grad:
+        features = features.detach()
+    chunks = B * T  # chunk_mb 1e-3: one row pair (2 x 97 float32 logits) per chunk
+    with torch.no_grad(), LargestTensor() as seen, count_ops() as ops:
+        a = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
+    assert a.total.grad_fn is None
+    assert seen.largest < V * D, seen.largest
+    assert ops.by_op["aten.addmm_"] == 0 and ops.by_op["aten.addmm"] == 0, ops.by_op
+    assert ops.by_op["aten.mm"] == chunks, ops.by_op
+    with LargestTensor() as seen_grad, count_ops() as ops_grad:
+        c = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
+    assert seen_grad.largest == V * D  # the weight's gradient
+    assert ops_grad.by_op["aten.addmm_"] == chunks
+    assert ops_grad.by_op["aten.mm"] == chunks * (2 if features_need_grad else 1)
+    assert a.total.item() == pytest.approx(c.total.item(), rel=1e-6)
 
 
 def test_no_tensor_larger_than_a_chunk_or_the_weight_and_no_sync():
