@@ -102,7 +102,8 @@ def test_equals_the_logits_path_of_the_core():
 def test_half_precision_models_within_the_measured_tolerance(dtype, tol):
     """bf16 / fp16 features and weight (matmuls in that dtype, sums in float32) against the
     float64 formula on the same rounded inputs: loss within 1e-3 relative; gradients within
-    ``tol`` (relative to their largest entry): bf16 ~8e-3, fp16 ~1e-3 measured."""
+    ``tol`` (relative to their largest entry): bf16 ~8e-3, fp16 ~1e-3 measured. At this size
+    a bf16 accumulation of grad_W would pass too: the next test tells it apart."""
     features, weight, b, target = inputs(dtype=dtype)
     out = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=5.0, epsilon=0.1,
                                   ignore_index=PAD, chunk_mb=1e-3)
@@ -115,6 +116,51 @@ def test_half_precision_models_within_the_measured_tolerance(dtype, tol):
         assert mine.dtype == dtype
         err = (mine.double() - theirs).abs().max() / theirs.abs().max()
         assert err < tol, (dtype, err.item())
+
+
+def test_bf16_weight_gradient_is_accumulated_in_float32():
+    """bf16 model, 2048 rows in 512 chunks: grad_W and grad_b within a bound derived for
+    float32 accumulation, entry by entry, against float64 on the same bf16 inputs.
+
+    Per row r (``u = 2**-8``, bf16's unit roundoff; alpha = epsilon = 0, so the logits'
+    gradient is ``g = p - onehot(t)``): the logits come out of the bf16 matmul rounded,
+    ``|dz| <= e_r = u max_v |z_rv|``; a log-softmax moves by at most ``2 e_r``, so ``p``
+    by ``2 e_r p``; ``g`` is stored in bf16 (``+ u |g|``); its product with ``x`` (exact
+    in float32) and the sum over ``n`` rows in float32 add at most ``n 2**-24 |g x|``; the
+    result is rounded to bf16 once (``+ u |grad|``). So, to first order in u::
+
+        |grad_W - ref| <= sum_r (2 e_r p_r + (u + n 2**-24) |g_r|) |x_r| + u |ref|
+
+    and likewise for grad_b with ``|x_r|`` = 1. Accumulating in bf16 instead rounds the
+    running sum to 8 bits after every chunk: once it is 2**7..2**8 times a chunk's
+    share, the shares are lost. Here every row has the same target and ``x`` is mostly
+    positive, so every entry is a sum of same-sign shares, and 512 chunks leave a bf16
+    sum at a fraction of the true one (measured: ~13x the bound for grad_W, ~60x for
+    grad_b; float32 accumulation stays under 0.25x of it)."""
+    n, v, d = 1024, 256, 16
+    g = torch.Generator().manual_seed(5)
+    features = (1 + 0.5 * torch.randn(2 * n, d, generator=g)).bfloat16().requires_grad_()
+    weight = (0.1 * torch.randn(v, d, generator=g)).bfloat16().requires_grad_()
+    b = (0.1 * torch.randn(v, generator=g)).bfloat16().requires_grad_()
+    target = torch.full((n,), 2)
+    # two row pairs per chunk: 3 pairs of 4 x V float32 by the budget, 4/5 of that for bf16
+    with count_ops() as ops:
+        out = fused_linear_rdrop_loss(features, weight, target, bias=b,
+                                      chunk_mb=3 * 4 * v * 4 / 2**20)
+        grad_w, grad_b = torch.autograd.grad(out.total, (weight, b))
+    assert ops.by_op["aten.addmm_"] == n // 2  # the number of chunks the bound is for
+    x, z = features.detach().double(), F.linear(features.double(), weight.double(), b.double())
+    p = z.detach().softmax(-1)
+    grad_z = p - F.one_hot(torch.full((2 * n,), 2), v).double()
+    u = 2.0 ** -8
+    per_row = (2 * u * z.detach().abs().amax(-1, keepdim=True) * p
+               + (u + 2 * n * 2.0 ** -24) * grad_z.abs())
+    for mine, ref, bound in ((grad_w, grad_z.t() @ x, per_row.t() @ x.abs()),
+                             (grad_b, grad_z.sum(0), per_row.sum(0))):
+        assert mine.dtype == torch.bfloat16
+        bound = bound + u * ref.abs()
+        worst = ((mine.double() - ref).abs() / bound).max().item()
+        assert worst <= 1.0, worst
 
 
 def test_tied_weight_gets_the_gradient_of_both_uses():
