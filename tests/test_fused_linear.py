@@ -22,6 +22,7 @@ B, T, D, V, PAD = 3, 7, 16, 97, 1
 
 def reference(features, weight, bias, target, alpha, eps, keep):
     """The loss from the definition, float64, on explicit logits."""
+    vocab = weight.size(0)
     logits = F.linear(features.double(), weight.double(),
                       None if bias is None else bias.double())
     lp = logits.log_softmax(-1)
@@ -29,7 +30,7 @@ def reference(features, weight, bias, target, alpha, eps, keep):
     t = target.unsqueeze(-1)
     nll = -(la.gather(-1, t) + lb.gather(-1, t)).squeeze(-1)
     smooth = -(la.sum(-1) + lb.sum(-1))
-    eps_i = eps / (V - 1)
+    eps_i = eps / (vocab - 1)
     loss = (1 - eps - eps_i) * nll + eps_i * smooth
     kl = 0.5 * ((la.exp() * (la - lb)).sum(-1) + (lb.exp() * (lb - la)).sum(-1))
     keep = keep.double()
@@ -161,6 +162,33 @@ def test_bf16_weight_gradient_is_accumulated_in_float32():
         bound = bound + u * ref.abs()
         worst = ((mine.double() - ref).abs() / bound).max().item()
         assert worst <= 1.0, worst
+
+
+@pytest.mark.parametrize("dtype,scale,tol", [(torch.float16, 128.0, 1e-2),
+                                             (torch.float32, 0.37, 1e-5)])
+def test_backward_scales_by_the_incoming_gradient_at_a_realistic_vocabulary(dtype, scale, tol):
+    """The backward of ``scale * total`` (fp16 with a loss scale of 128, as fairseq's
+    --fp16; float32 with a factor that is no power of two) equals ``scale`` times the
+    float64 formula's gradients, at V = 4096 (11 chunks in fp16, 4 in float32). The other
+    tests backward ``total`` itself, where ignoring the incoming gradient changes nothing;
+    here it leaves an error of 1 - 1/scale. ``tol``, norm-relative: float32's 1e-5 as
+    above; fp16 logits are rounded to 11 bits, |dz| <= 2**-11 |z| with |z| up to ~5 here,
+    which moves p by up to ~5e-3 (measured: 6.7e-4 .. 1.3e-3 for the three gradients)."""
+    b_, t_, d, v = 4, 16, 32, 4096
+    g = torch.Generator().manual_seed(6)
+    features = torch.randn(2 * b_, t_, d, generator=g).to(dtype).requires_grad_()
+    weight = (0.3 * torch.randn(v, d, generator=g)).to(dtype).requires_grad_()
+    b = (0.1 * torch.randn(v, generator=g)).to(dtype).requires_grad_()
+    target = torch.randint(2, v, (b_, t_), generator=g)
+    target[1, 10:] = PAD
+    out = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=5.0, epsilon=0.1,
+                                  ignore_index=PAD, chunk_mb=0.5)
+    ours = grads_of(scale * out.total, (features, weight, b))
+    ref_total, _, _ = reference(features, weight, b, target, 5.0, 0.1, target.ne(PAD))
+    refs = grads_of(scale * ref_total, (features, weight, b))
+    for mine, theirs in zip(ours, refs):
+        assert mine.dtype == dtype
+        assert_close(mine, theirs, rel=tol)
 
 
 def test_tied_weight_gets_the_gradient_of_both_uses():
