@@ -256,19 +256,65 @@ def test_pruned_layer_skips_q_and_k():
 # --------------------------------------------------------------------------- the generator
 
 
-def test_generator_starts_at_init_drop_and_stays_float32():
+def valid_units(pad, layers):
+    keep = ~pad
+    return (keep[:, None, :, None] & keep[:, None, None, :]).expand(-1, layers, -1, -1)
+
+
+def test_generator_starts_near_init_drop_and_stays_float32():
+    """The first drop probabilities sigmoid(S + beta) average about init_drop (beta =
+    logit(init_drop)) and differ from unit to unit (measured: 0.03 to 0.30 for 0.1)."""
+    torch.manual_seed(0)
     g = AttendOutGenerator(16, 3, init_drop=0.1)
-    h = torch.randn(2, 5, 16)
-    pad = torch.zeros(2, 5, dtype=torch.bool)
+    h = F.layer_norm(torch.randn(8, 9, 16), (16,))  # as the embedding LayerNorm gives
+    pad = torch.zeros(8, 9, dtype=torch.bool)
+    pad[1, 5:] = True
     logits = g(h, pad)
-    assert logits.shape == (2, 3, 5, 5) and logits.dtype == torch.float32
-    assert abs(torch.sigmoid(g.drop_bias).item() - 0.1) < 1e-6
+    assert logits.shape == (8, 3, 9, 9) and logits.dtype == torch.float32
+    probs = torch.sigmoid(logits)[valid_units(pad, 3)]
+    assert abs(probs.mean().item() - 0.1) < 0.01
+    assert probs.min() < 0.06 and probs.max() > 0.18  # not one probability for every unit
     g.half()
     assert {p.dtype for p in g.parameters()} == {torch.float32}
     assert not any(p.requires_grad for p in g.parameters())
     for bad in (0.0, 1.0, -0.5, 2.0):
         with pytest.raises(ValueError, match="--attendout-init-drop"):
             AttendOutGenerator(16, 3, init_drop=bad)
+
+
+def test_generator_logits_do_not_depend_on_padding():
+    """A valid unit's logit is the same whatever the padding positions hold, and the same as
+    for the example alone."""
+    torch.manual_seed(0)
+    g = AttendOutGenerator(16, 3)
+    h = torch.randn(2, 7, 16)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 4:] = True
+    logits = g(h, pad)
+    h2 = h.clone()
+    h2[1, 4:] = 10 * torch.randn(3, 16)
+    torch.testing.assert_close(g(h2, pad)[1, :, :4, :4], logits[1, :, :4, :4])
+    alone = g(h[1:, :4], torch.zeros(1, 4, dtype=torch.bool))
+    torch.testing.assert_close(alone[0], logits[1, :, :4, :4], rtol=1e-5, atol=1e-5)
+
+
+def test_generator_statistics_count_valid_units_only():
+    """drop_rate: the mean probability over each example's valid units (then over the
+    batch); greedy_all_dropped: the fraction of examples whose valid units all have p > 0.5
+    (a padding unit never keeps an example from counting)."""
+    g = AttendOutGenerator(16, 2, init_drop=0.1, stats_decay=0.5)
+    pad = torch.tensor([[False] * 4, [False, False, True, True]])
+    probs = torch.full((2, 2, 4, 4), 0.2)
+    probs[1, :, :2, :2] = 0.9  # example 1: its 4 valid units, every layer
+    probs[1, 0, 2:, :] = 0.0  # padding units (either side) that must not count
+    probs[1, 0, :, 2:] = 0.0
+    probs[0, 1] = 0.7  # example 0, layer 1: every unit
+    rate = g.update_statistics(probs, pad)
+    expected = torch.tensor([(0.2 + 0.9) / 2, (0.7 + 0.9) / 2])
+    torch.testing.assert_close(rate, expected)
+    torch.testing.assert_close(g.drop_rate, 0.5 * 0.1 + 0.5 * expected)
+    # all-dropped greedily: layer 0: example 1 only; layer 1: both
+    torch.testing.assert_close(g.greedy_all_dropped, 0.5 * torch.tensor([0.5, 1.0]))
 
 
 def test_action_log_prob_counts_valid_units_only():
@@ -306,15 +352,103 @@ def test_reinforce_moves_the_generator_towards_rewarded_drops():
         before = torch.sigmoid(g(h, pad)).mean((0, 2, 3))
     for _ in range(30):
         g.requires_grad_(True)
-        logits = g(h, pad)
-        drop = torch.rand(logits.shape) < torch.sigmoid(logits.detach())
+        with torch.no_grad():
+            drop = torch.rand(8, 2, 6, 6) < torch.sigmoid(g(h, pad))
         reward = drop[:, 1].float().mean((1, 2)) - drop[:, 0].float().mean((1, 2))
-        reinforce_step(g, [reward], [action_log_prob(logits, drop, pad)], 0.9)
+        reinforce_step(g, [reward], lambda t: action_log_prob(g(h, pad), drop, pad), 0.9)
         g.requires_grad_(False)
     with torch.no_grad():
         after = torch.sigmoid(g(h, pad)).mean((0, 2, 3))
     assert after[1] > before[1] + 0.1 and after[0] < before[0] - 0.1, (before, after)
-    assert g.baseline is not None and g.optimizer.state_dict()["state"]
+
+
+def reinforce_case(batches=3, seed=0):
+    """A generator and ``batches`` cached (h, pad, drop, reward) of 4 examples each."""
+    torch.manual_seed(seed)
+    g = AttendOutGenerator(16, 2, init_drop=0.3)
+    cases = []
+    for t in range(batches):
+        h = torch.randn(4, 6, 16)
+        pad = torch.zeros(4, 6, dtype=torch.bool)
+        pad[t % 4, 3:] = True
+        with torch.no_grad():
+            drop = torch.rand(4, 2, 6, 6) < torch.sigmoid(g(h, pad))
+        cases.append((h, pad, drop, torch.randn(4)))
+    return g, cases
+
+
+def reinforce_gradient(g, cases, baseline_of):
+    """The gradient of Eq. 4's loss as the pruning step computed it before it went per batch:
+    every batch's graph alive, one backward of the sum. ``baseline_of(r)``: b per example."""
+    g.requires_grad_(True)
+    g.zero_grad()
+    loss = -sum(((r - baseline_of(r)) * action_log_prob(g(h, pad), drop, pad)).mean()
+                for h, pad, drop, r in cases)
+    loss.backward()
+    g.requires_grad_(False)
+    return {n: p.grad.clone() for n, p in g.named_parameters()}
+
+
+def reinforce_with_captured_gradient(g, cases, decay, leave_one_out=False):
+    g.build_optimizer(lr=1e-3)
+    grads = {}
+    step = g.optimizer.step
+
+    def capture():
+        grads.update({n: p.grad.clone() for n, p in g.named_parameters()})
+        step()
+
+    g.optimizer.step = capture
+    g.requires_grad_(True)
+    mean = reinforce_step(g, [r for *_, r in cases],
+                          lambda t: action_log_prob(g(*cases[t][:2]), cases[t][2], cases[t][1]),
+                          decay, leave_one_out=leave_one_out)
+    g.requires_grad_(False)
+    g.optimizer.step = step
+    return grads, mean
+
+
+def test_reinforce_per_batch_backward_equals_one_backward_of_the_sum():
+    """The pruning step backpropagates one cached batch at a time (bounded memory): the same
+    gradient as one backward of the summed loss with every batch's graph alive."""
+    g, cases = reinforce_case()
+    reference = reinforce_gradient(copy.deepcopy(g), cases, lambda r: torch.zeros(()))
+    grads, _ = reinforce_with_captured_gradient(g, cases, 0.9)
+    assert grads["drop_bias"].abs() > 0
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_reinforce_baseline_is_the_moving_average_of_past_mean_rewards():
+    """b = 0 at the first pruning step, then b_1 = mean(r_1); at the second, the gradient uses
+    b_1 and b becomes 0.9 b_1 + 0.1 mean(r_2)."""
+    g, first = reinforce_case(seed=0)
+    _, second = reinforce_case(seed=1)
+    mean1 = torch.cat([r for *_, r in first]).mean()
+    mean2 = torch.cat([r for *_, r in second]).mean()
+    assert g.baseline is None
+    grads1, m1 = reinforce_with_captured_gradient(g, first, 0.9)
+    torch.testing.assert_close(m1, mean1)
+    torch.testing.assert_close(g.baseline, mean1)
+    reference = reinforce_gradient(copy.deepcopy(g), second, lambda r: mean1)
+    grads2, _ = reinforce_with_captured_gradient(g, second, 0.9)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads2[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    torch.testing.assert_close(g.baseline, 0.9 * mean1 + 0.1 * mean2)
+
+
+def test_reinforce_leave_one_out_baseline():
+    """--attendout-baseline leave_one_out: b_k = the mean reward of the batch's other
+    examples; the moving average is still kept."""
+    g, cases = reinforce_case()
+    g.baseline = torch.tensor(5.0)  # would dominate the gradient if it were used
+    reference = reinforce_gradient(copy.deepcopy(g), cases,
+                                   lambda r: torch.stack([torch.cat([r[:k], r[k + 1:]]).mean()
+                                                          for k in range(len(r))]))
+    grads, mean = reinforce_with_captured_gradient(g, cases, 0.9, leave_one_out=True)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    torch.testing.assert_close(g.baseline, 0.9 * 5.0 + 0.1 * mean)
 
 
 # --------------------------------------------------------------------------- model + task
