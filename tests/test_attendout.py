@@ -541,41 +541,201 @@ class Optimizer:
         return optim.build_optimizer(cfg.optimizer, params)
 
 
+def attacker_equals_defender(model):
+    defender = dict(model.defender.named_parameters())
+    return all(torch.equal(p, defender[name]) for name, p in model.attacker_parameters())
+
+
 def run_updates(task, model, criterion, cfg, updates, update_freq=1, seed=0):
+    """fairseq's loop, in process. Returns the optimizer, ``(cached batches, A == D)`` at each
+    pruning step's start, and A == D after each update."""
     optimizer = Optimizer(cfg, model)
-    pruning_calls = []
+    pruning_calls, equal_after = [], []
     original = task.pruning_step
-    task.pruning_step = lambda m, o: (pruning_calls.append(len(task._cache)), original(m, o))
+    task.pruning_step = lambda m, o: (
+        pruning_calls.append((len(task._cache), attacker_equals_defender(m))), original(m, o))
     for update in range(updates):
         for micro in range(update_freq):
             sample = make_sample(task, seed=seed + update * update_freq + micro)
             task.train_step(sample, model, criterion, optimizer, update)
         task.optimizer_step(optimizer, model, update)
         optimizer.zero_grad()
+        equal_after.append(attacker_equals_defender(model))
     task.pruning_step = original
-    return optimizer, pruning_calls
+    return optimizer, pruning_calls, equal_after
 
 
 @pytest.mark.parametrize("update_freq", [1, 2])
 def test_pruning_step_every_T_updates_and_defender_becomes_attacker(data, update_freq):
     task, model, criterion, cfg = build(data, "--attendout-interval", "3")
     generator_before = copy.deepcopy(model.generator.state_dict())
-    _, calls = run_updates(task, model, criterion, cfg, 7, update_freq)
-    # updates 3 and 6, each with the T * update_freq batches since the last one
-    assert calls == [3 * update_freq, 3 * update_freq]
+    _, calls, equal_after = run_updates(task, model, criterion, cfg, 7, update_freq)
+    # updates 3 and 6, each with the T * update_freq batches since the last one; A and D
+    # differ before each (A trained with masks, D without) and are equal right after
+    assert calls == [(3 * update_freq, False)] * 2
+    assert equal_after == [False, False, True, False, False, True, False]
     assert model.generator.pruning_steps == 2
     assert model.generator.masks_drawn == 7 * update_freq
-    attacker = dict(model.attacker_parameters())
-    defender = dict(model.defender.named_parameters())
-    assert set(attacker) == set(defender)
-    # update 7 came after the last copy: both trained on the same batch, from equal weights
-    run_updates(task, model, criterion, cfg, 0)
-    task.pruning_step(model, Optimizer(cfg, model))
-    for name, p in model.attacker_parameters():
-        assert torch.equal(p, defender[name]), name
     changed = [k for k, v in model.generator.state_dict().items()
                if torch.is_tensor(v) and not torch.equal(v, generator_before[k])]
     assert "drop_bias" in changed and "q_proj.weight" in changed
+
+
+def test_layer_i_gets_the_masks_of_layer_i(data):
+    task, model, _, _ = build(data)
+    seen = {}
+    layers = model.encoder.sentence_encoder.layers
+    hooks = [layer.register_forward_hook(
+        lambda m, args, kwargs, out, i=i: seen.__setitem__(i, kwargs["attendout_drop"]),
+        with_kwargs=True) for i, layer in enumerate(layers)]
+    tokens = make_sample(task)["net_input"]["src_tokens"]
+    drop = torch.rand(4, 3, 9, 9) < 0.5
+    model(tokens, classification_head_name=HEAD, attendout_drop=drop)
+    for h in hooks:
+        h.remove()
+    assert sorted(seen) == [0, 1, 2]
+    for i in range(3):
+        assert torch.equal(seen[i], drop[:, i]), i
+
+
+@pytest.mark.parametrize("kind", ["loss", "accuracy", "per_batch", "regression"])
+def test_rewards_are_attacker_over_defender(data, regression_data, kind):
+    """Per example: defender loss - attacker loss (cross-entropy; the squared error for
+    regression), or attacker correct - defender correct; the batch's mean with
+    --attendout-reward-per-batch. Computed here from the two networks' outputs."""
+    extra = {"loss": [], "accuracy": ["--attendout-reward", "accuracy"],
+             "per_batch": ["--attendout-reward-per-batch"],
+             "regression": ["--regression-target", "--num-classes", "1"]}[kind]
+    task, model, _, _ = build(regression_data if kind == "regression" else data, *extra)
+    model.eval()
+    torch.manual_seed(1)
+    with torch.no_grad():  # attacker and defender far from each other and from uniform
+        for name, p in model.named_parameters():
+            if not name.startswith("generator."):
+                p.add_(torch.randn_like(p))
+    sample = make_sample(task, batch=16)
+    if kind == "regression":
+        sample["target"] = torch.randn(16)
+    tokens, y = sample["net_input"]["src_tokens"], sample["target"]
+    drop = torch.rand(16, 3, 9, 9) < 0.5
+    with torch.no_grad():
+        for net, kwargs in ((model, {"attendout_drop": drop}), (model.defender, {})):
+            # centre each head's outputs on this batch: both predict either class
+            net.classification_heads[HEAD].out_proj.bias -= net(
+                tokens, classification_head_name=HEAD, **kwargs)[0].mean(0)
+        rewards = task.rewards(model, sample, drop)
+        a = model(tokens, classification_head_name=HEAD, attendout_drop=drop)[0]
+        d = model.defender(tokens, classification_head_name=HEAD)[0]
+    if kind == "regression":
+        expected = (d.view(-1) - y) ** 2 - (a.view(-1) - y) ** 2
+    elif kind == "accuracy":
+        expected = (a.argmax(-1) == y).float() - (d.argmax(-1) == y).float()
+    else:
+        expected = F.cross_entropy(d, y, reduction="none") - F.cross_entropy(a, y,
+                                                                            reduction="none")
+    if kind == "per_batch":
+        expected = expected.mean().expand(16)
+    assert expected.ne(0).any() and (kind == "per_batch" or expected.unique().numel() > 1)
+    torch.testing.assert_close(rewards, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_leave_one_out_with_one_reward_per_batch_is_refused(data):
+    with pytest.raises(ValueError, match="--attendout-baseline moving_average"):
+        build(data, "--attendout-baseline", "leave_one_out", "--attendout-reward-per-batch")
+
+
+def test_pruning_step_uses_the_leave_one_out_baseline_when_asked(data, monkeypatch):
+    from rdrop_fairseq.tasks import sentence_prediction_attendout as module
+
+    seen = []
+    monkeypatch.setattr(module, "reinforce_step",
+                        lambda *a, **k: seen.append(k.get("leave_one_out")))
+    for baseline, expected in (("moving_average", False), ("leave_one_out", True)):
+        task, model, criterion, cfg = build(data, "--attendout-interval", "1",
+                                            "--attendout-baseline", baseline)
+        run_updates(task, model, criterion, cfg, 1)
+        assert seen.pop() is expected
+
+
+def test_a_skipped_update_leaves_no_action_in_the_cache(data, monkeypatch):
+    """As fairseq's Trainer.train_step runs them. fp16 overflow: train_step for each batch
+    of the update, then clip_grad_norm raises OverflowError: no optimizer_step, zero_grad,
+    the next update. AMP overflow: optimizer_step runs, skips the step and lowers the loss
+    scale, then the same batch is retried at the same update_num. The cache holds the
+    applied updates' batches, once each, and the pruning step waits for an applied update."""
+    from rdrop_fairseq.tasks import sentence_prediction_attendout as module
+
+    task, model, criterion, cfg = build(data, "--attendout-interval", "2")
+    optimizer = Optimizer(cfg, model)
+    batches = [make_sample(task, seed=i) for i in range(4)]
+    rewarded = []
+    original = task.pruning_step
+    task.pruning_step = lambda m, o: (rewarded.append([s for s, _ in task._cache]),
+                                      original(m, o))
+
+    def attempt(samples, update_num, step=True):
+        optimizer.zero_grad()
+        for sample in samples:
+            task.train_step(sample, model, criterion, optimizer, update_num)
+        if step:
+            task.optimizer_step(optimizer, model, update_num)
+
+    attempt(batches[:2], 0, step=False)  # fp16 overflow
+    attempt(batches[2:3], 0)
+    assert [s for s, _ in task._cache] == [batches[2]]
+    scales = iter([2.0, 1.0, 1.0, 1.0])  # the scale before/after AMP's step: halved = skipped
+    monkeypatch.setattr(module, "_amp_optimizer_types", lambda: (type(optimizer),))
+    optimizer.scaler = types.SimpleNamespace(get_scale=lambda: next(scales))
+    attempt(batches[3:], 1)  # AMP overflow, at a pruning update
+    assert rewarded == [] and model.generator.pruning_steps == 0
+    attempt(batches[3:], 1)  # the retry
+    assert rewarded == [[batches[2], batches[3]]] and model.generator.pruning_steps == 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_sync_optimizer_state_copies_the_attackers_adam_moments(data, monkeypatch, precision):
+    """--attendout-sync-optimizer-state: at D <- A, the defender's Adam moments become the
+    attacker's, wherever fairseq keeps them: keyed by the parameters (fp32), in one flat
+    fp32 master (--fp16) or per fp32 master (--bf16, never flat in fairseq)."""
+    from fairseq.optim.fp16_optimizer import FP16Optimizer
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # flat masters' dict key
+    for sync in (True, False):
+        task, model, criterion, cfg = build(
+            data, "--attendout-interval", "100", *([f"--{precision}"] * (precision != "fp32")),
+            *(["--attendout-sync-optimizer-state"] * sync))
+        if precision == "fp32":
+            optimizer = Optimizer(cfg, model)
+        else:
+            model = model.to(torch.float16 if precision == "fp16" else torch.bfloat16)
+            optimizer = FP16Optimizer.build_optimizer(
+                cfg, [p for p in model.parameters() if p.requires_grad])
+            assert isinstance(optimizer.fp32_params, dict if precision == "fp16" else list)
+        task.train_step(make_sample(task), model, criterion, optimizer, 0)
+        optimizer.step()
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def adam_moments():  # {id(model parameter): (exp_avg, exp_avg_sq)}, () if none
+            state = optimizer.optimizer.state
+            if precision == "fp16":
+                flat = state[optimizer.fp32_params[0]]
+                sizes = [p.numel() for p in params]
+                return dict(zip(map(id, params), zip(
+                    *(flat[k].split(sizes) for k in ("exp_avg", "exp_avg_sq")))))
+            masters = optimizer.fp32_params if precision == "bf16" else params
+            return {id(p): (state[m]["exp_avg"], state[m]["exp_avg_sq"]) if m in state
+                    else () for p, m in zip(params, masters)}
+
+        moments = adam_moments()
+        pairs = [(id(a), id(d)) for a, d in model.defender_pairs()]
+        assert sum(len(moments[a]) for a, _ in pairs) > 20  # most parameters have state
+        assert not all(torch.equal(moments[a][0], moments[d][0]) for a, d in pairs
+                       if moments[a])
+        task.copy_attacker_to_defender(model, optimizer)
+        moments = adam_moments()
+        same = [all(torch.equal(x, y) for x, y in zip(moments[a], moments[d])) and
+                len(moments[a]) == len(moments[d]) for a, d in pairs]
+        assert all(same) if sync else not all(same), sync
 
 
 def test_fairseqs_optimizer_never_holds_the_generator(data):
@@ -591,16 +751,17 @@ def test_fairseqs_optimizer_never_holds_the_generator(data):
 
 def test_defender_copy_reaches_fp16_master_weights(data, monkeypatch):
     """--fp16/--bf16: fairseq's FP16Optimizer keeps fp32 masters that overwrite the model
-    after every step; D <- A must be written there too (flat and per-parameter masters)."""
+    after every step; D <- A must be written there too (flat masters: --fp16; per-parameter
+    masters: --bf16, which fairseq never flattens)."""
     from fairseq.optim.fp16_optimizer import FP16Optimizer
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # flat masters' dict key
-    for flatten in (True, False):
-        task, model, criterion, cfg = build(data, "--bf16", "--attendout-interval", "100",
-                                            *([] if flatten else ["--fp16-no-flatten-grads"]))
-        model = model.to(torch.bfloat16)
+    for flag, dtype, flat in (("--fp16", torch.float16, True), ("--bf16", torch.bfloat16, False)):
+        task, model, criterion, cfg = build(data, flag, "--attendout-interval", "100")
+        model = model.to(dtype)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = FP16Optimizer.build_optimizer(cfg, params)
+        assert isinstance(optimizer.fp32_params, dict if flat else list)
         with torch.no_grad():
             for _, p in model.attacker_parameters():
                 p.add_(0.5)
