@@ -346,8 +346,9 @@ def _amp_scale(optimizer):
 def copy_optimizer_state(optimizer, pairs):
     """Copy the per-parameter optimizer state (Adam's moments) of each ``(attacker, defender)``
     parameter pair, wherever fairseq's optimizer keeps it: keyed by the model's parameters
-    (fp32, --amp, --memory-efficient-fp16), by their fp32 master copies (--fp16/--bf16
-    with --fp16-no-flatten-grads) or in slices of one flat master (--fp16/--bf16)."""
+    (fp32, --amp, --memory-efficient-fp16), by their fp32 master copies (--bf16, which
+    fairseq never flattens, or --fp16 with --fp16-no-flatten-grads) or in slices of one flat
+    master (--fp16)."""
     state = optimizer.optimizer.state
     masters = getattr(optimizer, "fp32_params", None)
     params = getattr(optimizer, "fp16_params", None)
