@@ -993,13 +993,15 @@ checkpoint: {{save_dir: {tmp_path / 'ckpt'}, no_epoch_checkpoints: true}}
     assert (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
 
 
-def run_one_update_past_a_pruning_step(data, save, *extra):
+def run_one_update_past_a_pruning_step(data, save, *extra, cuda=False):
     """9 updates, pruning steps after updates 4 and 8. The learning rate decays to 0 at
     update 8, so update 9 moves no fp32 master weight but writes the masters back into the
     model: the defender equals the attacker at the end only if D <- A reached the masters."""
-    log = run(train_cmd(data, save, *extra, "--lr-scheduler", "polynomial_decay",
-                        "--total-num-update", "8", "--end-learning-rate", "0", max_update=9),
-              save)
+    cmd = train_cmd(data, save, *extra, "--lr-scheduler", "polynomial_decay",
+                    "--total-num-update", "8", "--end-learning-rate", "0", max_update=9)
+    if cuda:
+        cmd.remove("--cpu")
+    log = run(cmd, save)
     assert log.count("AttendOut pruning step") == 2 and "overflow" not in log
     state = load(save / "checkpoint_last.pt")["model"]
     for key, value in state.items():
@@ -1020,17 +1022,4 @@ def test_fp16_run_keeps_the_defender_copy_in_the_masters(data, tmp_path):
 @pytest.mark.parametrize("precision", ["--fp16", "--amp"])
 def test_cuda_mixed_precision_keeps_the_defender_copy(data, tmp_path, precision):
     """On a GPU: --fp16 (fairseq's flat fp32 masters) and --amp (no masters)."""
-    save = tmp_path / "ckpt"
-    cmd_extra = [precision]
-    original = train_cmd
-
-    def cuda_cmd(*args, **kwargs):
-        cmd = original(*args, **kwargs)
-        cmd.remove("--cpu")
-        return cmd
-
-    globals()["train_cmd"] = cuda_cmd
-    try:
-        run_one_update_past_a_pruning_step(data, save, *cmd_extra)
-    finally:
-        globals()["train_cmd"] = original
+    run_one_update_past_a_pruning_step(data, tmp_path, precision, cuda=True)
