@@ -12,12 +12,21 @@
   but 2, all but 1 and all layers pruned (a pruned layer's attention is the mean of V),
   median latency per batch, next to the ratio of multiply-accumulates for the same shape
   (:func:`mac_ratio`).
+* ``pruning``: peak memory of the pruning step above what it starts with, for T cached
+  batches (T in ``--prune-t``), each in a fresh subprocess. ``--prune-part step``: the
+  whole ``task.pruning_step`` (rewards, REINFORCE, D <- A); ``generator``: its REINFORCE
+  update alone (the generator's graph, the part that used to grow with T), both as
+  implemented (``per_batch``: one backward per cached batch) and as it was
+  (``all_at_once``: every batch's graph alive until one backward). CPU: the resident set,
+  sampled every millisecond; CUDA: max_memory_allocated.
 
 Usage::
 
     python benchmarks/bench_attendout.py                  # CPU: both, a MiniLM-sized shape
     python benchmarks/bench_attendout.py step --layers 6 --dim 384 --length 128
     python benchmarks/bench_attendout.py gpu --json gpu.json   # roberta-base shape, fp16
+    python benchmarks/bench_attendout.py pruning --layers 12 --dim 768 --length 256 \
+        --pruning-batch 16 --prune-t 1 2 4           # roberta-base's generator, CPU
 """
 
 import argparse
@@ -26,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -175,6 +185,118 @@ def measure_inference(args):
     return rows
 
 
+class PeakRSS:
+    """The resident set's peak above its size at entry, sampled every millisecond (torch's
+    kernels release the GIL); with child_env's mmap threshold freed tensors leave it."""
+
+    def __enter__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.start = self.peak = self.rss()
+        self.running = True
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def rss(self):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def sample(self):
+        while self.running:
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.rss())
+        self.bytes = self.peak - self.start
+
+
+def measure_pruning(args, cached, impl):
+    """Peak memory of one pruning step over ``cached`` batches (see the module's doc)."""
+    import torch
+
+    from rdrop_fairseq.models.attendout_layers import (
+        action_log_prob,
+        pack_mask,
+        reinforce_step,
+        sample_drop,
+        unpack_mask,
+    )
+
+    torch.set_num_threads(args.threads)
+    task, model, _, optimizer = build("attendout", args, tiny_data(args.work))
+    bench_args = argparse.Namespace(**vars(args) | {"batch": args.pruning_batch})
+    generator = model.generator
+    pad = task.source_dictionary.pad()
+    batches = [sample(task, bench_args, seed) for seed in range(cached)]
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            tokens = batch["net_input"]["src_tokens"]
+            probs = torch.sigmoid(task._drop_logits(model, tokens, tokens.eq(pad)))
+            task._cache.append((batch, pack_mask(sample_drop(probs, i))))
+            del probs
+    generator.build_optimizer(task.cfg.attendout_generator_lr)
+    cuda = args.device == "cuda"
+    if args.prune_part == "step":
+        if impl != "per_batch":
+            raise ValueError("--prune-part step measures the implementation (per_batch) only")
+        run = lambda: task.pruning_step(model, optimizer)  # noqa: E731
+    else:
+        model.eval()
+        cache = task._cache
+        rewards = [torch.randn(args.pruning_batch, device=args.device) for _ in cache]
+
+        def log_prob(t):
+            batch, packed = cache[t]
+            tokens = batch["net_input"]["src_tokens"]
+            return action_log_prob(task._drop_logits(model, tokens, tokens.eq(pad)),
+                                   unpack_mask(*packed), tokens.eq(pad))
+
+        def run():
+            generator.requires_grad_(True)
+            if impl == "per_batch":
+                reinforce_step(generator, rewards, log_prob, 0.95)
+            else:  # the implementation before: every batch's graph alive, one backward
+                log_probs = [log_prob(t) for t in range(len(cache))]
+                loss = -sum((r * lp).mean() for r, lp in zip(rewards, log_probs))
+                generator.optimizer.zero_grad()
+                loss.backward()
+                generator.optimizer.step()
+            generator.requires_grad_(False)
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        with PeakRSS() as rss:
+            start = time.perf_counter()
+            run()
+            seconds = time.perf_counter() - start
+        peak = rss.bytes
+    return {"part": args.prune_part, "impl": impl, "cached": cached, "seconds": seconds,
+            "peak_bytes": max(peak, 0)}
+
+
+def run_pruning(args):
+    impls = ["per_batch"] + (["all_at_once"] if args.prune_part == "generator" else [])
+    rows = []
+    for impl in impls:
+        for cached in args.prune_t:  # each in a fresh process: its peak memory is its own
+            out = subprocess.run([sys.executable, __file__, "_pruning", impl, str(cached),
+                                  *child_argv(args)],
+                                 capture_output=True, text=True, env=child_env(), check=True)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return rows
+
+
 def child_env():
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -199,10 +321,11 @@ def child_argv(args):
             "--length", str(args.length), "--batch", str(args.batch), "--threads",
             str(args.threads), "--interval", str(args.interval), "--intervals",
             str(args.intervals), "--device", args.device, "--dtype", args.dtype,
-            "--work", str(args.work)]
+            "--work", str(args.work), "--pruning-batch", str(args.pruning_batch),
+            "--prune-part", args.prune_part]
 
 
-def markdown(steps, inference, args):
+def markdown(steps, inference, args, pruning=()):
     shape = (f"{args.layers} layers x {args.dim}, {args.heads} heads, batch {args.batch} x "
              f"{args.length} tokens, {args.device} {args.dtype}, {args.threads} thread(s)")
     out = [f"Shape: {shape}.", ""]
@@ -219,14 +342,26 @@ def markdown(steps, inference, args):
                 "| layers pruned | s / batch | speed-up | MAC ratio |", "|---|---|---|---|"]
         out += [f"| {r['pruned']}/{args.layers} | {r['seconds']:.4f} | {r['speedup']:.2f} | "
                 f"{r['mac_ratio']:.2f} |" for r in inference]
-    return "\n".join(out)
+        out.append("")
+    if pruning:
+        what = ("the whole pruning step" if args.prune_part == "step"
+                else "the generator's REINFORCE update")
+        out += [f"Pruning step, {what}, batch {args.pruning_batch} x {args.length} "
+                "(peak memory above its start):", "",
+                "| implementation | T (cached batches) | s | peak memory (MiB) |",
+                "|---|---|---|---|"]
+        out += [f"| {r['impl']} | {r['cached']} | {r['seconds']:.2f} | "
+                f"{r['peak_bytes'] / 2**20:.0f} |" for r in pruning]
+    return "\n".join(out).rstrip()
 
 
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", nargs="?", default="all",
-                   choices=["all", "step", "inference", "gpu", "_step"])
+                   choices=["all", "step", "inference", "pruning", "gpu", "_step",
+                            "_pruning"])
     p.add_argument("method", nargs="?")
+    p.add_argument("cached", nargs="?", type=int)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--dim", type=int, default=384)
     p.add_argument("--heads", type=int, default=12)
@@ -236,6 +371,11 @@ def parse(argv):
     p.add_argument("--interval", type=int, default=5, help="--attendout-interval T")
     p.add_argument("--intervals", type=int, default=2, help="pruning intervals timed")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--pruning-batch", type=int, help="pruning: batch size (default --batch)")
+    p.add_argument("--prune-t", type=int, nargs="+", default=[1, 2, 4],
+                   help="pruning: cached batches T, one fresh process each")
+    p.add_argument("--prune-part", choices=["generator", "step"], default="generator",
+                   help="pruning: REINFORCE alone (both implementations) or the whole step")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     p.add_argument("--work", type=Path, default=Path("/tmp/bench_attendout"))
@@ -248,6 +388,8 @@ def parse(argv):
             p.error("gpu: no CUDA device")
         args.layers, args.dim, args.heads, args.length, args.batch = 12, 768, 12, 256, 32
         args.device, args.dtype, args.interval = "cuda", "float16", 25
+        args.pruning_batch, args.prune_t, args.prune_part = 16, [1, 4, 8, 25], "step"
+    args.pruning_batch = args.pruning_batch or args.batch
     return args
 
 
@@ -256,13 +398,18 @@ def main(argv=None):
     if args.what == "_step":
         print(json.dumps(measure_step(args.method, args)))
         return 0
+    if args.what == "_pruning":
+        print(json.dumps(measure_pruning(args, args.cached, args.method)))
+        return 0
     steps = run_steps(args) if args.what in ("all", "step", "gpu") else []
     inference = measure_inference(args) if args.what in ("all", "inference", "gpu") else []
-    print(markdown(steps, inference, args))
+    pruning = run_pruning(args) if args.what in ("pruning", "gpu") else []
+    print(markdown(steps, inference, args, pruning))
     if args.json:
         args.json.write_text(json.dumps({"shape": vars(args) | {"work": str(args.work),
                                                                 "json": str(args.json)},
-                                         "step": steps, "inference": inference}, indent=1))
+                                         "step": steps, "inference": inference,
+                                         "pruning": pruning}, indent=1))
     return 0
 
 

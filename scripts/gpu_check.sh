@@ -9,8 +9,10 @@
 # 2. an fp16 training run (FP16_UPDATES, default 300) of the IWSLT transformer with R-Drop
 #    on the committed LibreOffice de-en corpus: every logged loss and rdrop_kl finite;
 # 3. the loss and whole-step benchmarks against fairseq's label_smoothed_cross_entropy on
-#    the doubled batch (time, peak memory; V = 32k and 267,744), and AttendOut's step and
-#    pruned-inference benchmark: tables in OUT/*.md, JSON in OUT/*.json.
+#    the doubled batch (time, peak memory; V = 32k and 267,744), and AttendOut's step,
+#    pruned-inference and pruning-step memory benchmark (roberta-base, fp16; the pruning
+#    step at 16 x 256 with T = 1, 4, 8, 25 cached batches): tables in OUT/*.md, JSON in
+#    OUT/*.json.
 # Run it in an environment with torch for CUDA, fairseq and this plugin (pip install -e
 # '.[test,recipes]'; scripts/setup.sh installs the CPU torch); PYTHON picks the interpreter.
 # Without a CUDA device it says so and exits with 1.

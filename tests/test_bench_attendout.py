@@ -5,6 +5,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,29 @@ def test_tiny_cpu_run_prints_and_writes_both_sections(tmp_path):
     assert inference[0]["speedup"] == 1.0 and inference[0]["mac_ratio"] == 1.0
     assert [r["mac_ratio"] for r in inference] == [bench.mac_ratio(2, k, 8, 16) for k in (0, 1, 2)]
     assert "| attendout_rdrop |" in proc.stdout and "| MAC ratio |" in proc.stdout
+
+
+@pytest.mark.parametrize("part", ["generator", "step"])
+def test_tiny_cpu_run_of_the_pruning_section(tmp_path, part):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "pruning", "--layers", "2", "--dim", "16", "--heads",
+         "2", "--length", "8", "--pruning-batch", "2", "--prune-t", "1", "2", "--prune-part",
+         part, "--work", str(tmp_path / "work"), "--json", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["pruning"]
+    impls = ["per_batch"] + (["all_at_once"] if part == "generator" else [])
+    assert [(r["impl"], r["cached"]) for r in rows] == [(i, t) for i in impls for t in (1, 2)]
+    assert all(r["part"] == part and r["seconds"] > 0 and r["peak_bytes"] >= 0 for r in rows)
+    assert "| implementation | T (cached batches) | s | peak memory (MiB) |" in proc.stdout
+
+
+def test_peak_rss_sees_a_transient_allocation():
+    import torch
+
+    with bench.PeakRSS() as rss:
+        x = torch.ones(16 * 2**20)  # 64 MiB, written: resident
+        time.sleep(0.05)
+        del x
+    assert 60 * 2**20 < rss.bytes < 100 * 2**20, rss.bytes

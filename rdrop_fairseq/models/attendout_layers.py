@@ -171,7 +171,8 @@ class AttendOutGenerator(nn.Module):
 
     ``h_0`` is the encoder's embedding output (no gradient flows into the encoder);
     ``h_i = LayerNorm(h_{i-1} + W_O softmax(S_i) W_V h_{i-1})``. ``beta`` starts at
-    ``logit(init_drop)``, so every unit is first dropped with probability ``init_drop``.
+    ``logit(init_drop)``, so the first drop probabilities average about ``init_drop``; they
+    vary from unit to unit with the scores (about 0.03 to 0.3 for 0.1).
 
     The generator is trained by policy gradient with its own optimizer, not by fairseq's:
     its parameters have ``requires_grad=False`` outside the pruning step. It stays in
@@ -308,20 +309,27 @@ def action_log_prob(logits, drop, padding_mask):
     return (log_p * valid).sum((1, 2, 3)) / valid.sum((1, 2, 3)).clamp_min(1)
 
 
-def reinforce_step(generator, rewards, log_probs, baseline_decay):
+def reinforce_step(generator, rewards, log_prob, baseline_decay, leave_one_out=False):
     """One policy-gradient update of the generator (Eq. 4) with its own optimizer.
 
-    ``rewards[t]``, ``log_probs[t]``: ``(m,)`` per example of cached batch ``t`` (the log
-    probabilities with a graph into the generator). The loss is
-    ``-sum_t (1/m) sum_k (r_tk - b) log P(a_tk)``, ``b`` the moving average of past mean
-    rewards (0 before the first step), updated after use. Returns the mean reward.
+    ``rewards[t]``: ``(m,)`` per example of cached batch ``t``, without a graph;
+    ``log_prob(t)``: the log probabilities ``(m,)`` of batch ``t``'s actions, with a graph
+    into the generator. The loss is ``-sum_t (1/m) sum_k (r_tk - b_tk) log P(a_tk)``, with
+    ``b`` the moving average of past mean rewards (0 before the first step; updated after
+    use, whatever the baseline) or, with ``leave_one_out``, the mean reward of the other
+    examples of the batch (the moving average for a batch of one). ``b`` is fixed before
+    the backward passes, so one backward per batch gives the gradient of the sum while only
+    one batch's graph is alive. Returns the mean reward.
     """
     mean_reward = torch.cat([r.reshape(-1) for r in rewards]).mean().detach()
     baseline = generator.baseline if generator.baseline is not None else torch.zeros_like(
         mean_reward)
-    loss = -sum(((r - baseline) * lp).mean() for r, lp in zip(rewards, log_probs))
     generator.optimizer.zero_grad()
-    loss.backward()
+    for t, r in enumerate(rewards):
+        b = baseline
+        if leave_one_out and r.numel() > 1:
+            b = (r.sum() - r) / (r.numel() - 1)
+        (-((r - b) * log_prob(t)).mean()).backward()
     generator.optimizer.step()
     generator.baseline = (mean_reward if generator.baseline is None else
                           baseline_decay * generator.baseline + (1 - baseline_decay) * mean_reward)

@@ -75,8 +75,9 @@ class RobertaAttendOutModel(RobertaModel):
     def add_args(parser):
         RobertaModel.add_args(parser)
         parser.add_argument("--attendout-init-drop", type=float, metavar="P",
-                            help="generator's initial drop probability of every attention "
-                            "unit, in (0, 1) (ours: the paper does not say; default 0.1)")
+                            help="generator's initial drop probability, on average over the "
+                            "attention units, in (0, 1) (ours: the paper does not say; "
+                            "default 0.1)")
         parser.add_argument("--attendout-pruned-layers", type=str, metavar="I,J",
                             help="encoder layers (0-based) whose self-attention is pruned to a "
                             "mean of V (Eq. 3); set by the export")

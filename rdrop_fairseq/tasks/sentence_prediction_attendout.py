@@ -4,7 +4,7 @@ Zhang, arXiv 2104.04692), on fairseq's ``sentence_prediction`` task.
 Every training batch:
 
 1. the generator (no gradient) gives each attention unit of the attacker a drop probability;
-   a mask is sampled from a seeded generator (the seed is kept, not the mask);
+   a mask is sampled from a seeded generator and cached as bits with its batch;
 2. the criterion is applied twice on the same batch: to the attacker with the masks, and to
    the defender (``attendout_role="defender"``); both losses are backpropagated into
    fairseq's optimizer, which updates both copies (never the generator).
@@ -14,8 +14,14 @@ Every ``--attendout-interval`` T *updates* (the pruning step, in ``optimizer_ste
 3. attacker (with each batch's masks) and defender are evaluated on the cached batches,
    in evaluation mode; reward per example = defender loss - attacker loss (or attacker
    correct - defender correct), so the generator is rewarded when the attacker wins;
-4. REINFORCE with a moving-average baseline (Eq. 4) updates the generator with its own Adam;
+4. REINFORCE with a baseline (Eq. 4) updates the generator with its own Adam, one backward
+   per cached batch (the memory of one batch's graph, whatever T);
 5. the defender is overwritten by the attacker (D <- A), fp32 master copies included.
+
+A batch enters the cache only once its update is applied: an update that fairseq skips (an
+fp16 overflow; AMP's overflow, retried on the same batch) leaves no action to reward. The
+cache is saved with the checkpoint, so a run resumed between two pruning steps rewards the
+whole interval.
 
 The criterion is any sentence-prediction criterion: ``sentence_prediction`` or
 ``sentence_prediction_rdrop`` (AttendOut + R-Drop: the mask is part of ``net_input``, so
@@ -65,10 +71,15 @@ class SentencePredictionAttendOutConfig(SentencePredictionConfig):
         metadata={"help": "one reward per cached batch (its mean), as the paper's r_t, instead "
                   "of one per example (ours, lower variance)"},
     )
+    attendout_baseline: ChoiceEnum(["moving_average", "leave_one_out"]) = field(
+        default="moving_average",
+        metadata={"help": "REINFORCE baseline b (the paper's is unspecified): a moving average "
+                  "of past mean rewards, or, per example, the mean reward of the other "
+                  "examples of its batch"},
+    )
     attendout_baseline_decay: float = field(
         default=0.95,
-        metadata={"help": "REINFORCE baseline: moving average of past mean rewards with this "
-                  "decay, in [0, 1) (the paper's b is unspecified)"},
+        metadata={"help": "decay of the moving-average baseline, in [0, 1)"},
     )
     attendout_prune_threshold: float = field(
         default=0.5,
@@ -101,9 +112,14 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if cfg.regression_target and cfg.attendout_reward == "accuracy":
             raise ValueError("--attendout-reward accuracy needs classification; regression "
                              "(--regression-target) is rewarded by the MSE: use loss")
-        # (sample, its attacker mask as bits) of the batches since the last pruning step:
-        # B * layers * T^2 / 8 bytes each
+        if cfg.attendout_baseline == "leave_one_out" and cfg.attendout_reward_per_batch:
+            raise ValueError("--attendout-baseline leave_one_out compares the examples of a "
+                             "batch, which --attendout-reward-per-batch gives one reward: use "
+                             "--attendout-baseline moving_average")
+        # (sample, its attacker mask as bits) of the applied updates since the last pruning
+        # step: B * layers * T^2 / 8 bytes each; _pending: those of the update in progress
         self._cache = []
+        self._pending = []
 
     def build_criterion(self, cfg):
         criterion = super().build_criterion(cfg)
@@ -146,10 +162,14 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
                 loss, sample_size, logging_output = criterion(model, attacker)
                 defender_loss, _, defender_log = criterion(model, defender)
         total = loss + defender_loss
+        if model.encoder.sentence_encoder.embed_tokens.weight.grad is None:
+            # the first batch of an update (fairseq zeroes the gradients to None before it):
+            # a batch still pending belongs to an update that was skipped (fp16 overflow)
+            self._pending = []
         if ignore_grad:
             total = total * 0
         else:
-            self._cache.append((sample, pack_mask(drop)))
+            self._pending.append((sample, pack_mask(drop)))
         with torch.autograd.profiler.record_function("backward"):
             optimizer.backward(total)
         logging_output["defender_loss"] = defender_log["loss"]
@@ -158,9 +178,26 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         return loss, sample_size, logging_output
 
     def optimizer_step(self, optimizer, model, update_num):
+        scale = _amp_scale(optimizer)
         super().optimizer_step(optimizer, model, update_num)
+        pending, self._pending = self._pending, []
+        if scale is not None and optimizer.scaler.get_scale() < scale:
+            return  # AMP skipped the update (overflow): fairseq retries it, same update_num
+        self._cache.extend(pending)
         if (update_num + 1) % self.cfg.attendout_interval == 0:
             self.pruning_step(model, optimizer)
+
+    # the cache in the checkpoint (fairseq's task hooks; not restored with --reset-dataloader)
+    def get_checkpoint_dict(self):
+        cache = [(utils.apply_to_sample(lambda t: t.cpu(), sample), (bits.cpu(), shape))
+                 for sample, (bits, shape) in self._cache]
+        return {type(self).__name__: {"attendout_cache": cache}}
+
+    def set_checkpoint_dict(self, state):
+        self._cache = list(state.get("attendout_cache", []))
+        if self._cache:
+            logger.info(f"AttendOut: {len(self._cache)} batches since the last pruning step "
+                        "restored from the checkpoint")
 
     def _drop_logits(self, model, tokens, padding_mask):
         h0 = model.encoder.sentence_encoder.embed_without_dropout(tokens).detach()
@@ -177,25 +214,26 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if cache:
             model.eval()
             generator.build_optimizer(self.cfg.attendout_generator_lr)
+            device = generator.drop_bias.device
+            cache = [(utils.apply_to_sample(lambda t: t.to(device), sample), packed)
+                     for sample, packed in cache]  # (restored from a checkpoint: on the CPU)
+            with torch.no_grad():
+                rewards = [self.rewards(model, sample, unpack_mask(*packed))
+                           for sample, packed in cache]
+
+            def log_prob(t):
+                # log P(action) under the generator, whose parameters have not changed
+                # since the action; its input (the embeddings) may have, slightly
+                sample, packed = cache[t]
+                tokens = sample["net_input"]["src_tokens"]
+                padding_mask = tokens.eq(self.source_dictionary.pad())
+                logits = self._drop_logits(model, tokens, padding_mask)
+                return action_log_prob(logits, unpack_mask(*packed), padding_mask)
+
             generator.requires_grad_(True)
             try:
-                rewards, log_probs = [], []
-                for sample, packed in cache:
-                    tokens = sample["net_input"]["src_tokens"]
-                    padding_mask = tokens.eq(self.source_dictionary.pad())
-                    # log P(action) under the generator, whose parameters have not changed
-                    # since the action; its input (the embeddings) may have, slightly
-                    logits = self._drop_logits(model, tokens, padding_mask)
-                    drop = unpack_mask(*packed)
-                    with torch.no_grad():
-                        reward = (self._example_scores(model, sample, drop=drop)
-                                  - self._example_scores(model, sample, role="defender"))
-                    if self.cfg.attendout_reward_per_batch:
-                        reward = reward.mean().expand_as(reward)
-                    rewards.append(reward)
-                    log_probs.append(action_log_prob(logits, drop, padding_mask))
-                reinforce_step(generator, rewards, log_probs,
-                                             self.cfg.attendout_baseline_decay)
+                reinforce_step(generator, rewards, log_prob, self.cfg.attendout_baseline_decay,
+                               leave_one_out=self.cfg.attendout_baseline == "leave_one_out")
             finally:
                 generator.requires_grad_(False)
             generator.pruning_steps += 1
@@ -203,6 +241,16 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
             logger.info(f"AttendOut pruning step {generator.pruning_steps}: generator "
                         f"rewarded on {len(cache)} cached batches, defender <- attacker")
         self.copy_attacker_to_defender(model, optimizer)
+
+    def rewards(self, model, sample, drop):
+        """Per-example reward of the attacker with masks ``drop`` over the defender (positive
+        when the attacker wins), ``(B,)``; every example gets its batch's mean with
+        ``--attendout-reward-per-batch``."""
+        reward = (self._example_scores(model, sample, drop=drop)
+                  - self._example_scores(model, sample, role="defender"))
+        if self.cfg.attendout_reward_per_batch:
+            reward = reward.mean().expand_as(reward)
+        return reward
 
     def _example_scores(self, model, sample, drop=None, role="attacker"):
         """Per-example score of the attacker (masks ``drop``) or the defender, larger =
@@ -228,11 +276,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
                 for a, d in pairs:
                     masters[id(d)].copy_(masters[id(a)])
         if self.cfg.attendout_sync_optimizer_state:
-            state = optimizer.optimizer.state if hasattr(optimizer, "optimizer") else {}
-            for a, d in pairs:
-                if a in state:
-                    state[d] = {k: v.clone() if torch.is_tensor(v) else v
-                                for k, v in state[a].items()}
+            copy_optimizer_state(optimizer, pairs)
 
     # -- validation ------------------------------------------------------------------
     def valid_step(self, sample, model, criterion):
@@ -290,6 +334,45 @@ def _amp_optimizer_types():
     from fairseq.optim.amp_optimizer import AMPOptimizer
 
     return (AMPOptimizer,)
+
+
+def _amp_scale(optimizer):
+    """AMP's loss scale before a step (None without --amp): a step that finds inf/NaN
+    gradients is skipped and lowers it. (get_scale() reads the device; AMP's step has just
+    synchronised with it anyway, to decide whether to skip.)"""
+    return optimizer.scaler.get_scale() if isinstance(optimizer, _amp_optimizer_types()) else None
+
+
+def copy_optimizer_state(optimizer, pairs):
+    """Copy the per-parameter optimizer state (Adam's moments) of each ``(attacker, defender)``
+    parameter pair, wherever fairseq's optimizer keeps it: keyed by the model's parameters
+    (fp32, --amp, --memory-efficient-fp16), by their fp32 master copies (--bf16, which
+    fairseq never flattens, or --fp16 with --fp16-no-flatten-grads) or in slices of one flat
+    master (--fp16)."""
+    state = optimizer.optimizer.state
+    masters = getattr(optimizer, "fp32_params", None)
+    params = getattr(optimizer, "fp16_params", None)
+    if masters is None or params is None:
+        keys = {}
+    elif isinstance(masters, list):
+        keys = {id(p): m for p, m in zip(params, masters)}
+    else:
+        flat = next(iter(masters.values())) if isinstance(masters, dict) else masters
+        flat_state = state.get(flat, {})
+        slices, offset = {}, 0
+        for p in params:
+            slices[id(p)] = slice(offset, offset + p.numel())
+            offset += p.numel()
+        with torch.no_grad():
+            for value in flat_state.values():
+                if torch.is_tensor(value) and value.numel() == flat.numel():
+                    for a, d in pairs:
+                        value[slices[id(d)]] = value[slices[id(a)]]
+        return
+    for a, d in pairs:
+        a, d = keys.get(id(a), a), keys.get(id(d), d)
+        if a in state:
+            state[d] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state[a].items()}
 
 
 def fp32_master_views(optimizer):
