@@ -3,8 +3,10 @@ Zhang, arXiv 2104.04692), on fairseq's ``sentence_prediction`` task.
 
 Every training batch:
 
-1. the generator (no gradient) gives each attention unit of the attacker a drop probability;
-   a mask is sampled from a seeded generator (the seed is kept, not the mask);
+1. the generator (no gradient) gives each attention unit of the attacker a drop probability
+   and, with ``--attendout-decision layer``, each layer a gate that drops the whole layer
+   (Eq. 3) for an example; a mask is sampled from a seeded generator; layers already
+   pruned (sticky, see AttendOutGenerator) are dropped for every example;
 2. the criterion is applied twice on the same batch: to the attacker with the masks, and to
    the defender (``attendout_role="defender"``); both losses are backpropagated into
    fairseq's optimizer, which updates both copies (never the generator).
