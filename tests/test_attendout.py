@@ -811,7 +811,7 @@ def test_validation_reports_the_exported_model(data):
     _, _, plain = task.valid_step(sample, model, criterion)
     assert plain["attendout_num_pruned"] == 0
     torch.testing.assert_close(plain["loss"], plain["loss_unpruned"])
-    model.generator.greedy_all_dropped.fill_(1.0)  # every layer pruned
+    model.generator.pruned.fill_(True)  # every layer pruned
     _, _, pruned = task.valid_step(sample, model, criterion)
     assert pruned["attendout_num_pruned"] == 3
     torch.testing.assert_close(pruned["loss_unpruned"], plain["loss"])
@@ -851,7 +851,9 @@ def load(path):
 
 # the generator starts near dropping whole layers (p = 0.6 on average): its greedy masks drop
 # every unit of a layer for a few examples, and the threshold prunes on such a fraction
-STRAIGHT = ("--attendout-init-drop", "0.6", "--attendout-prune-threshold", "0.002")
+# the per-unit rule, whose greedy statistic 8 tiny batches can move past this threshold
+STRAIGHT = ("--attendout-decision", "unit", "--attendout-init-drop", "0.6",
+            "--attendout-prune-threshold", "0.002")
 
 
 @pytest.fixture(scope="module")
@@ -870,11 +872,14 @@ def test_fairseq_train_end_to_end_then_export(straight_run, tmp_path):
     state = load(save / "checkpoint_last.pt")
     extra = state["model"]["generator._extra_state"]
     assert extra["pruning_steps"] == 2 and extra["optimizer"]["state"]
-    # the run's own statistic: the layers whose greedy mask dropped every unit for at least
-    # the threshold's fraction of examples are what validation and the export prune
+    # the run's own statistic: a layer whose greedy mask dropped every unit for at least the
+    # threshold's fraction of examples is pruned, for good (sticky), and validation and the
+    # export prune what the run pruned
     fractions = state["model"]["generator.greedy_all_dropped"].tolist()
-    expected = [i for i, f in enumerate(fractions) if f >= 0.002]
-    assert max(fractions) > 0 and expected, fractions
+    pruned = state["model"]["generator.pruned"].tolist()
+    expected = [i for i, p in enumerate(pruned) if p]
+    assert max(fractions) > 0 and expected, (fractions, pruned)
+    assert all(pruned[i] for i, f in enumerate(fractions) if f >= 0.002), (fractions, pruned)
     assert f"attendout_num_pruned {len(expected)}" in valid[-1]  # validated after update 8
     out = tmp_path / "exported" / "model.pt"
     assert export_attendout.main(["--checkpoint", str(save / "checkpoint_last.pt"),

@@ -164,10 +164,38 @@ class AttendOutTransformerEncoder(TransformerEncoder):
         return x
 
 
+DECISIONS = ("layer", "unit")
+
+
+def check_decision(decision, prune_threshold):
+    """The pruning decision's options (``--attendout-decision``,
+    ``--attendout-prune-threshold``): a clear error for anything else."""
+    if decision not in DECISIONS:
+        raise ValueError(f"--attendout-decision must be one of {', '.join(DECISIONS)}, "
+                         f"got {decision!r}")
+    if not 0.0 < prune_threshold < 1.0:
+        raise ValueError(f"--attendout-prune-threshold must be in (0, 1), got {prune_threshold}")
+
+
 class AttendOutGenerator(nn.Module):
     """The paper's G-Net (sec. 4.1): one single-head self-attention layer without
     feed-forward, applied recurrently, once per encoder layer, with shared parameters;
     its pre-softmax scores ``S_i`` give layer ``i``'s drop logits ``S_i + beta``.
+
+    ``decision``: how a layer comes to be pruned (ours; docs/attendout.md).
+
+    * ``"layer"``: each layer also has a *gate*, logit ``mean(S_i) + gamma`` (the masked
+      mean of its scores, ``gamma`` a learnt scalar shared by the layers like ``beta``),
+      sampled per example; where it fires the whole layer is dropped (Eq. 3) for that
+      example. A layer is pruned when the moving average of its gate probability reaches
+      ``prune_threshold``.
+    * ``"unit"``: per-unit masks only (the paper's literal reading); a layer is pruned when
+      its greedy mask (p > 0.5) drops every unit for ``prune_threshold`` of the examples
+      (moving average).
+
+    Either way the decision is sticky (buffer ``pruned``): a pruned layer is dropped for
+    every example from then on, in training too, so the attacker trains as it is exported,
+    and its terms leave ``log P(action)``.
 
     ``h_0`` is the encoder's embedding output (no gradient flows into the encoder);
     ``h_i = LayerNorm(h_{i-1} + W_O softmax(S_i) W_V h_{i-1})``. ``beta`` starts at
@@ -177,16 +205,18 @@ class AttendOutGenerator(nn.Module):
     The generator is trained by policy gradient with its own optimizer, not by fairseq's:
     its parameters have ``requires_grad=False`` outside the pruning step. It stays in
     float32 whatever the model's dtype (``--fp16`` casts the model with ``half()``).
-    Buffers: per-layer moving averages of the sampled drop rate and of the fraction of
-    examples whose greedy mask (p > 0.5) drops every unit of the layer; the pruning
-    decision is read from the latter.
+    Buffers: per-layer moving averages (decay ``stats_decay`` per training batch) of the
+    mean drop probability, of the fraction of examples whose greedy mask drops every unit
+    (the unit mode's decision) and of the gate probability (the layer mode's); ``pruned``.
     """
 
-    def __init__(self, embed_dim, num_layers, init_drop=0.1, stats_decay=0.99):
+    def __init__(self, embed_dim, num_layers, init_drop=0.1, stats_decay=0.99,
+                 decision="unit", prune_threshold=0.5):
         super().__init__()
         if not 0.0 < init_drop < 1.0:
             raise ValueError(f"--attendout-init-drop must be in (0, 1), got {init_drop}")
         self.num_layers = num_layers
+        self.configure(decision, prune_threshold)
         self.stats_decay = stats_decay
         self.q_proj = nn.Linear(embed_dim, embed_dim)
         self.k_proj = nn.Linear(embed_dim, embed_dim)
@@ -194,9 +224,13 @@ class AttendOutGenerator(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim)
         self.layer_norm = LayerNorm(embed_dim)
         self.drop_bias = nn.Parameter(torch.tensor(math.log(init_drop / (1 - init_drop))))
+        # the gate's own scalar; it starts so that a layer's gate fires with about init_drop
+        self.gate_bias = nn.Parameter(torch.tensor(math.log(init_drop / (1 - init_drop))))
         self.scaling = embed_dim ** -0.5
         self.register_buffer("drop_rate", torch.full((num_layers,), init_drop))
         self.register_buffer("greedy_all_dropped", torch.zeros(num_layers))
+        self.register_buffer("gate_prob", torch.full((num_layers,), init_drop))
+        self.register_buffer("pruned", torch.zeros(num_layers, dtype=torch.bool))
         self.requires_grad_(False)
         # policy-gradient state, kept in the checkpoint through get/set_extra_state
         self.optimizer = None
@@ -216,6 +250,41 @@ class AttendOutGenerator(nn.Module):
             weights = F.softmax(scores.masked_fill(key_pad, float("-inf")), dim=-1)
             h = self.layer_norm(h + self.out_proj(torch.bmm(weights, self.v_proj(h))))
         return torch.stack(logits, dim=1)
+
+    def configure(self, decision, prune_threshold):
+        """Set the decision mode and threshold (task options, so set by the task)."""
+        check_decision(decision, prune_threshold)
+        self.decision = decision
+        self.prune_threshold = prune_threshold
+
+    def gate_logits(self, logits, padding_mask):
+        """``(B, layers)``: each layer's gate logit, the mean of its scores ``S_i`` over the
+        valid units plus ``gate_bias`` (``logits`` are ``S_i + drop_bias``, from forward)."""
+        valid = unit_mask(padding_mask).unsqueeze(1)
+        count = valid.sum((-1, -2)).clamp_min(1)
+        scores = (logits - self.drop_bias).masked_fill(~valid, 0.0)
+        return scores.sum((-1, -2)) / count + self.gate_bias
+
+    @torch.no_grad()
+    def sample(self, logits, padding_mask, seed):
+        """The attacker's masks ``(B, layers, T, T)``, True = dropped: units where ``U < p``
+        (as :func:`sample_drop`, same seed, same draws); in layer mode, then, each layer's
+        gate per example, a fired gate dropping all the layer's units; pruned layers
+        dropped for every example. Regenerated exactly from the same ``seed``."""
+        gen = torch.Generator(device=logits.device)
+        gen.manual_seed(seed)
+        drop = torch.rand(logits.shape, generator=gen, device=logits.device) < logits.sigmoid()
+        if self.decision == "layer":
+            gate = self.gate_logits(logits, padding_mask).sigmoid()
+            fired = torch.rand(gate.shape, generator=gen, device=gate.device) < gate
+            drop = drop | fired[:, :, None, None]
+        return drop | self.pruned[:, None, None]
+
+    def action_log_prob(self, logits, drop, padding_mask):
+        """``log P(drop)`` per example under this generator (:func:`action_log_prob` with
+        the gate's terms in layer mode, without the pruned layers' terms)."""
+        gate = self.gate_logits(logits, padding_mask) if self.decision == "layer" else None
+        return action_log_prob(logits, drop, padding_mask, gate, self.pruned)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -254,22 +323,30 @@ class AttendOutGenerator(nn.Module):
         self.masks_drawn = int(state.get("masks_drawn", 0))
 
     @torch.no_grad()
-    def update_statistics(self, probs, padding_mask):
-        """Fold one batch's drop probabilities ``(B, L, T, T)`` into the moving averages
-        (on the device, no host sync); return the batch's mean drop rate per layer."""
+    def update_statistics(self, logits, padding_mask):
+        """Fold one batch's drop logits ``(B, L, T, T)`` into the moving averages and
+        prune the layers whose decision statistic reached the threshold (sticky; on the
+        device, no host sync). Returns the batch's mean probability that a unit of each
+        layer is dropped (the gate's included; 1 for a pruned layer)."""
+        probs = logits.sigmoid()
         valid = unit_mask(padding_mask).unsqueeze(1)  # (B, 1, T, T)
         count = valid.sum((-1, -2)).clamp_min(1)  # (B, 1)
         rate = (probs * valid).sum((-1, -2)) / count  # (B, L)
         greedy_all = ((probs > 0.5) | ~valid).all(-1).all(-1).float()  # (B, L)
+        gate = self.gate_logits(logits, padding_mask).sigmoid()  # (B, L)
         d = self.stats_decay
         self.drop_rate.mul_(d).add_(rate.mean(0), alpha=1 - d)
         self.greedy_all_dropped.mul_(d).add_(greedy_all.mean(0), alpha=1 - d)
-        return rate.mean(0)
+        self.gate_prob.mul_(d).add_(gate.mean(0), alpha=1 - d)
+        statistic = self.gate_prob if self.decision == "layer" else self.greedy_all_dropped
+        self.pruned |= statistic >= self.prune_threshold
+        if self.decision == "layer":
+            rate = gate + (1 - gate) * rate
+        return rate.mean(0).masked_fill(self.pruned, 1.0)
 
-    def pruned_layers(self, threshold):
-        """Layers whose greedy mask dropped every unit for at least ``threshold`` of the
-        examples (moving average): the layers the exported model prunes."""
-        return [i for i, f in enumerate(self.greedy_all_dropped.tolist()) if f >= threshold]
+    def pruned_layers(self):
+        """The pruned layers (a host sync): what validation scores and the export writes."""
+        return [i for i, p in enumerate(self.pruned.tolist()) if p]
 
 
 def unit_mask(padding_mask):
@@ -301,12 +378,30 @@ def unpack_mask(bits, shape):
     return flat[: math.prod(shape)].view(shape)
 
 
-def action_log_prob(logits, drop, padding_mask):
-    """``log P(a)`` per example, averaged over its valid units (Eq. 4's ``1/(n l^2)`` with
-    ``l`` the example's own length): ``(B,)``."""
+def action_log_prob(logits, drop, padding_mask, gate_logits=None, forced=None):
+    """``log P(a)`` per example, ``(B,)``: the mean over layers of each layer's term.
+
+    Without a gate a layer's term is the mean log-probability of its valid units, so the
+    whole is Eq. 4's ``1/(n l^2)`` average (``l`` the example's own length). With
+    ``gate_logits`` ``(B, layers)`` (logit ``z`` of the gate, fired with probability
+    ``q``): a layer whose valid units are all dropped has the probability of that event,
+    ``log(q + (1 - q) prod_j p_j)`` (the gate fired, or every unit was drawn); any other
+    layer has ``log(1 - q)`` plus its units' mean log-probability. Layers in ``forced``
+    (``(layers,)`` bool: pruned, dropped whatever the generator says) count 0.
+    """
     log_p = torch.where(drop, F.logsigmoid(logits), F.logsigmoid(-logits))
-    valid = unit_mask(padding_mask).unsqueeze(1).expand_as(log_p)
-    return (log_p * valid).sum((1, 2, 3)) / valid.sum((1, 2, 3)).clamp_min(1)
+    valid = unit_mask(padding_mask).unsqueeze(1)  # (B, 1, T, T)
+    total = (log_p * valid).sum((-1, -2))  # (B, L)
+    per_layer = total / valid.sum((-1, -2)).clamp_min(1)
+    if gate_logits is not None:
+        all_dropped = (drop | ~valid).all(-1).all(-1)  # (B, L)
+        kept = F.logsigmoid(-gate_logits)
+        per_layer = torch.where(all_dropped,
+                                torch.logaddexp(F.logsigmoid(gate_logits), kept + total),
+                                kept + per_layer)
+    if forced is not None:
+        per_layer = per_layer.masked_fill(forced, 0.0)
+    return per_layer.mean(1)
 
 
 def reinforce_step(generator, rewards, log_prob, baseline_decay, leave_one_out=False):

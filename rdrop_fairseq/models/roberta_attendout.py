@@ -9,6 +9,10 @@ training loop is the task ``sentence_prediction_attendout``.
 
 With ``--attendout-inference-only`` (what the export writes) the model has no defender and
 no generator, and the layers in ``--attendout-pruned-layers`` run as a mean of V.
+
+``--attendout-static-prune-layers I,J`` is static pruning: that model (no defender, no
+generator) fine-tuned by the plain ``sentence_prediction`` task with layers I, J as a mean
+of V from the start, at a baseline step's cost. Its checkpoint loads as the export does.
 """
 
 import logging
@@ -23,14 +27,14 @@ from fairseq.models.roberta.model import (
 )
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
-from .attendout_layers import AttendOutGenerator, AttendOutTransformerEncoder
+from .attendout_layers import AttendOutGenerator, AttendOutTransformerEncoder, check_decision
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("attacker", "defender")
 
 
-def parse_pruned_layers(value, num_layers):
+def parse_pruned_layers(value, num_layers, flag="--attendout-pruned-layers"):
     """``"10,11"`` (or a list) -> sorted tuple of layer indices, each in [0, num_layers)."""
     if value is None or value == "":
         return ()
@@ -38,11 +42,34 @@ def parse_pruned_layers(value, num_layers):
     try:
         layers = sorted({int(i) for i in items})
     except ValueError:
-        raise ValueError(f"--attendout-pruned-layers must be comma-separated layer indices, "
+        raise ValueError(f"{flag} must be comma-separated layer indices, "
                          f"got {value!r}") from None
     if layers and not (0 <= layers[0] and layers[-1] < num_layers):
-        raise ValueError(f"--attendout-pruned-layers {value!r}: layers are 0..{num_layers - 1}")
+        raise ValueError(f"{flag} {value!r}: layers are 0..{num_layers - 1}")
     return tuple(layers)
+
+
+STATIC_FLAG = "--attendout-static-prune-layers"
+
+
+def check_static_pruning(args):
+    """Static pruning's options, checked at start-up (``fairseq-train`` runs this while
+    parsing, before it creates the save dir); sets the export's two fields from them."""
+    static = getattr(args, "attendout_static_prune_layers", "") or ""
+    if not static:
+        return
+    layers = parse_pruned_layers(static, args.encoder_layers, STATIC_FLAG)
+    if getattr(args, "task", None) == "sentence_prediction_attendout":
+        raise ValueError(f"{STATIC_FLAG} fine-tunes without AttendOut (no defender, no "
+                         "generator): use --task sentence_prediction, not "
+                         "sentence_prediction_attendout")
+    pruned = parse_pruned_layers(getattr(args, "attendout_pruned_layers", ""),
+                                 args.encoder_layers)
+    if pruned and pruned != layers:
+        raise ValueError(f"{STATIC_FLAG} {static!r} and --attendout-pruned-layers "
+                         f"{args.attendout_pruned_layers!r} disagree: give only {STATIC_FLAG}")
+    args.attendout_pruned_layers = ",".join(map(str, layers))
+    args.attendout_inference_only = True
 
 
 class AttendOutRobertaEncoder(RobertaEncoder):
@@ -84,10 +111,16 @@ class RobertaAttendOutModel(RobertaModel):
         parser.add_argument("--attendout-inference-only", action="store_true",
                             help="the attacker alone, without defender and generator (the "
                             "exported model)")
+        parser.add_argument(STATIC_FLAG, type=str, metavar="I,J",
+                            help="static pruning: fine-tune with these encoder layers "
+                            "(0-based) as a mean of V (Eq. 3) from the start, without "
+                            "defender and generator, with --task sentence_prediction; the "
+                            "checkpoint is already the export")
 
     @classmethod
     def build_model(cls, args, task):
         base_architecture(args)
+        check_static_pruning(args)
         if not hasattr(args, "max_positions"):
             args.max_positions = getattr(args, "tokens_per_sample", task.max_positions())
         encoder = AttendOutRobertaEncoder(args, task.source_dictionary)
@@ -201,7 +234,13 @@ def attendout_base_architecture(args):
     if getattr(args, "attendout_pruned_layers", None) is None:
         args.attendout_pruned_layers = ""
     args.attendout_inference_only = getattr(args, "attendout_inference_only", False)
+    if getattr(args, "attendout_static_prune_layers", None) is None:
+        args.attendout_static_prune_layers = ""
     base_architecture(args)
+    check_static_pruning(args)
+    if getattr(args, "task", None) == "sentence_prediction_attendout":
+        # the task's options too, so that fairseq-train stops before it creates anything
+        check_decision(args.attendout_decision, args.attendout_prune_threshold)
 
 
 @register_model_architecture("roberta_attendout", "roberta_attendout_base")

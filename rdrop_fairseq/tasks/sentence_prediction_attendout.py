@@ -3,8 +3,11 @@ Zhang, arXiv 2104.04692), on fairseq's ``sentence_prediction`` task.
 
 Every training batch:
 
-1. the generator (no gradient) gives each attention unit of the attacker a drop probability;
-   a mask is sampled from a seeded generator and cached as bits with its batch;
+1. the generator (no gradient) gives each attention unit of the attacker a drop probability
+   and, with ``--attendout-decision layer``, each layer a gate that drops the whole layer
+   (Eq. 3) for an example; a mask is sampled from a seeded generator and cached as bits
+   with its batch; layers already pruned (sticky, see AttendOutGenerator) are dropped for
+   every example;
 2. the criterion is applied twice on the same batch: to the attacker with the masks, and to
    the defender (``attendout_role="defender"``); both losses are backpropagated into
    fairseq's optimizer, which updates both copies (never the generator).
@@ -41,10 +44,9 @@ from fairseq.tasks import register_task
 from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
 
 from ..models.attendout_layers import (
-    action_log_prob,
+    check_decision,
     pack_mask,
     reinforce_step,
-    sample_drop,
     unpack_mask,
 )
 
@@ -81,11 +83,20 @@ class SentencePredictionAttendOutConfig(SentencePredictionConfig):
         default=0.95,
         metadata={"help": "decay of the moving-average baseline, in [0, 1)"},
     )
+    attendout_decision: ChoiceEnum(["layer", "unit"]) = field(
+        default="layer",
+        metadata={"help": "how a layer gets pruned: 'layer', a per-example gate per layer "
+                  "from the generator's scores, which drops the whole layer (Eq. 3) where it "
+                  "fires (ours, the default, provisional); 'unit', per-unit masks only (the "
+                  "paper's literal reading)"},
+    )
     attendout_prune_threshold: float = field(
         default=0.5,
-        metadata={"help": "a layer is pruned (mean of V at inference) when the generator's "
-                  "greedy mask drops all its units for at least this fraction of examples "
-                  "(moving average over training batches), in (0, 1]"},
+        metadata={"help": "a layer is pruned, for good (mean of V in training from then on, "
+                  "in validation and in the export), when its moving average over training "
+                  "batches reaches this, in (0, 1): the gate's probability (--attendout-"
+                  "decision layer) or the fraction of examples whose greedy mask (p > 0.5) "
+                  "drops all its units (unit)"},
     )
     attendout_sync_optimizer_state: bool = field(
         default=False,
@@ -106,9 +117,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if not 0 <= cfg.attendout_baseline_decay < 1:
             raise ValueError("--attendout-baseline-decay must be in [0, 1), got "
                              f"{cfg.attendout_baseline_decay}")
-        if not 0 < cfg.attendout_prune_threshold <= 1:
-            raise ValueError("--attendout-prune-threshold must be in (0, 1], got "
-                             f"{cfg.attendout_prune_threshold}")
+        check_decision(cfg.attendout_decision, cfg.attendout_prune_threshold)
         if cfg.regression_target and cfg.attendout_reward == "accuracy":
             raise ValueError("--attendout-reward accuracy needs classification; regression "
                              "(--regression-target) is rewarded by the MSE: use loss")
@@ -131,6 +140,9 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         model = super().build_model(cfg, from_checkpoint)
         if from_checkpoint and getattr(model, "inference_only", False):
             return model  # an exported model, loaded for inference
+        if getattr(cfg, "attendout_static_prune_layers", ""):
+            raise ValueError("--attendout-static-prune-layers fine-tunes without AttendOut (no "
+                             "defender, no generator): use --task sentence_prediction")
         if not hasattr(model, "generator") or getattr(model, "inference_only", True):
             raise ValueError(
                 "--task sentence_prediction_attendout trains a roberta_attendout model "
@@ -140,6 +152,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
             raise ValueError(
                 "sentence_prediction_attendout runs on one GPU for now: the generator's "
                 "rewards and gradients are not all-reduced across workers")
+        model.generator.configure(self.cfg.attendout_decision, self.cfg.attendout_prune_threshold)
         return model
 
     # -- training --------------------------------------------------------------------
@@ -150,10 +163,10 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         padding_mask = tokens.eq(self.source_dictionary.pad())
         generator = model.generator
         with torch.no_grad():
-            probs = torch.sigmoid(self._drop_logits(model, tokens, padding_mask))
-            drop_rate = generator.update_statistics(probs, padding_mask)
+            logits = self._drop_logits(model, tokens, padding_mask)
+            drop_rate = generator.update_statistics(logits, padding_mask)
             seed = self._next_seed(generator)
-            drop = sample_drop(probs, seed)
+            drop = generator.sample(logits, padding_mask, seed)
         attacker = dict(sample, net_input=dict(sample["net_input"], attendout_drop=drop))
         defender = dict(sample, net_input=dict(sample["net_input"], attendout_role="defender"))
         amp = isinstance(optimizer, _amp_optimizer_types())
@@ -228,7 +241,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
                 tokens = sample["net_input"]["src_tokens"]
                 padding_mask = tokens.eq(self.source_dictionary.pad())
                 logits = self._drop_logits(model, tokens, padding_mask)
-                return action_log_prob(logits, unpack_mask(*packed), padding_mask)
+                return generator.action_log_prob(logits, unpack_mask(*packed), padding_mask)
 
             generator.requires_grad_(True)
             try:
@@ -280,11 +293,13 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
 
     # -- validation ------------------------------------------------------------------
     def valid_step(self, sample, model, criterion):
-        """The model as it would be exported (pruned layers as a mean of V), then unpruned."""
+        """Exactly the model the export writes (its pruned layers as a mean of V), then the
+        same weights unpruned (``loss_unpruned``, ``accuracy_unpruned``; the gaps
+        ``loss_pruning_gap`` = loss - loss_unpruned, ``accuracy_pruning_gap`` likewise)."""
         if model.generator is None:  # an exported model: its pruning is fixed
             return super().valid_step(sample, model, criterion)
         model.eval()
-        pruned = model.generator.pruned_layers(self.cfg.attendout_prune_threshold)
+        pruned = model.generator.pruned_layers()
         with torch.no_grad():
             model.set_pruned_layers(pruned)
             try:
@@ -313,12 +328,19 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
             metrics.log_scalar(key, rate / max(sample_size, 1), sample_size, round=3)
         if any("loss_unpruned" in log for log in logging_outputs):
             total = utils.item(sum(log.get("loss_unpruned", 0) for log in logging_outputs))
-            metrics.log_scalar("loss_unpruned", total / max(sample_size, 1) / math.log(2),
-                               sample_size, round=3)
+            unpruned = total / max(sample_size, 1) / math.log(2)
+            metrics.log_scalar("loss_unpruned", unpruned, sample_size, round=3)
+            loss = utils.item(sum(log.get("loss", 0) for log in logging_outputs))
+            metrics.log_scalar("loss_pruning_gap", loss / max(sample_size, 1) / math.log(2)
+                               - unpruned, sample_size, round=3)
         if any("ncorrect_unpruned" in log for log in logging_outputs):
             correct = utils.item(sum(log.get("ncorrect_unpruned", 0) for log in logging_outputs))
             metrics.log_scalar("accuracy_unpruned", 100.0 * correct / max(nsentences, 1),
                                nsentences, round=1)
+            pruned = utils.item(sum(log.get("ncorrect", 0) for log in logging_outputs))
+            metrics.log_scalar("accuracy_pruning_gap",
+                               100.0 * (pruned - correct) / max(nsentences, 1), nsentences,
+                               round=1)
         if any("attendout_num_pruned" in log for log in logging_outputs):
             metrics.log_scalar("attendout_num_pruned",
                                max(log.get("attendout_num_pruned", 0) for log in logging_outputs),

@@ -1,0 +1,365 @@
+"""AttendOut's pruning decision: the whole-layer gate (``--attendout-decision layer``), the
+sticky decision the attacker trains with, the controls (the generator alone under fixed
+rewards), static pruning (``--attendout-static-prune-layers``) and bad input.
+
+The fixtures and helpers are tests/test_attendout.py's (tiny 3 x 16 models, CPU).
+"""
+
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fairseq import checkpoint_utils, models, options, tasks
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+from rdrop_fairseq.models.attendout_layers import (
+    AttendOutGenerator,
+    reinforce_step,
+    sample_drop,
+    unit_mask,
+)
+from rdrop_fairseq.recipes import export_attendout
+from tests.test_attendout import (  # noqa: F401  (data is a fixture)
+    BIN,
+    HEAD,
+    TINY,
+    USER_DIR,
+    Optimizer,
+    build,
+    data,
+    load,
+    make_sample,
+    run,
+    sharpen,
+    train_cmd,
+)
+
+# --------------------------------------------------------------------------- the gate
+
+
+def padded(batch=3, length=6, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(batch, length, dim, generator=g)
+    pad = torch.zeros(batch, length, dtype=torch.bool)
+    pad[1, 4:] = True
+    pad[2, 2:] = True
+    return h, pad
+
+
+def test_gate_logit_is_the_masked_mean_of_the_scores_plus_its_scalar():
+    g = AttendOutGenerator(16, 3, decision="layer")
+    h, pad = padded()
+    logits = g(h, pad)
+    z = g.gate_logits(logits, pad)
+    for b, n in enumerate((6, 4, 2)):
+        for i in range(3):
+            scores = logits[b, i, :n, :n] - g.drop_bias
+            torch.testing.assert_close(z[b, i], scores.mean() + g.gate_bias)
+    assert abs(torch.sigmoid(g.gate_bias).item() - 0.1) < 1e-6  # starts at init_drop
+
+
+def test_gate_log_prob_is_the_probability_of_what_the_attacker_ran():
+    """Per layer: all valid units dropped -> log(q + (1 - q) prod p); otherwise log(1 - q)
+    plus the units' mean log-probability; pruned layers count 0; mean over layers."""
+    torch.manual_seed(0)
+    g = AttendOutGenerator(16, 3, decision="layer")
+    with torch.no_grad():
+        g.q_proj.weight.mul_(3)  # scores far from 0
+    h, pad = padded()
+    logits = g(h, pad)
+    z = g.gate_logits(logits, pad)
+    drop = torch.rand(logits.shape) < 0.5
+    drop[0, 1] = True  # example 0, layer 1: the gate's event
+    drop[2, 0, :2, :2] = True  # example 2 (2 tokens), layer 0: all valid units, pads not
+    drop[2, 0, 0, 2:] = False
+    g.pruned[2] = True
+    expected = []
+    for b, n in enumerate((6, 4, 2)):
+        terms = []
+        for i in range(3):
+            if i == 2:
+                terms.append(torch.tensor(0.0))
+                continue
+            p = torch.sigmoid(logits[b, i, :n, :n].double())
+            d = drop[b, i, :n, :n]
+            q = torch.sigmoid(z[b, i].double())
+            if d.all():
+                terms.append(torch.log(q + (1 - q) * p.prod()))
+            else:
+                units = torch.where(d, p, 1 - p).log().mean()
+                terms.append(torch.log(1 - q) + units)
+        expected.append(torch.stack(terms).mean())
+    got = g.action_log_prob(logits, drop, pad)
+    torch.testing.assert_close(got.double(), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    # the gate's scalar gets a gradient from its terms
+    g.requires_grad_(True)
+    g.action_log_prob(g(h, pad), drop, pad).sum().backward()
+    assert g.gate_bias.grad is not None and g.gate_bias.grad.abs() > 0
+    # unit mode: today's Eq. 4 average, no gate (pruned layer 2 still counts 0)
+    g.configure("unit", 0.5)
+    g.pruned[2] = False
+    lp = torch.where(drop, F.logsigmoid(logits), F.logsigmoid(-logits))
+    for b, n in enumerate((6, 4, 2)):
+        torch.testing.assert_close(g.action_log_prob(logits, drop, pad)[b],
+                                   lp[b, :, :n, :n].sum() / (3 * n * n))
+
+
+def test_sample_fires_whole_layers_per_example_and_is_regenerated_from_its_seed():
+    g = AttendOutGenerator(16, 3, decision="layer")
+    h, pad = padded(batch=64, length=5)
+    pad[:] = False
+    with torch.no_grad():
+        logits = g(h, pad)
+        units = sample_drop(logits.sigmoid(), seed=7)
+        g.gate_bias.fill_(-30.0)  # the gate never fires: exactly the unit masks
+        assert torch.equal(g.sample(logits, pad, 7), units)
+        g.gate_bias.fill_(0.0)
+        g.q_proj.weight.zero_()  # scores 0: every gate at probability 1/2
+        g.q_proj.bias.zero_()
+        logits = g(h, pad)
+        drop = g.sample(logits, pad, 7)
+        assert torch.equal(drop, g.sample(logits, pad, 7))
+        whole = drop.all(-1).all(-1)  # (B, L)
+        # the units where the gate did not fire are the unit draw, unchanged
+        assert torch.equal(drop[~whole], sample_drop(logits.sigmoid(), 7)[~whole])
+        assert 0.3 < whole.float().mean() < 0.7  # per example and layer, p = 1/2
+        assert whole.any(0).all() and (~whole).any(0).all()
+        g.pruned[1] = True  # a pruned layer is dropped for every example
+        assert g.sample(logits, pad, 8)[:, 1].all()
+
+
+def test_the_decision_is_the_gates_moving_average_and_it_is_sticky():
+    g = AttendOutGenerator(16, 3, decision="layer", prune_threshold=0.5)
+    h, pad = padded()
+    with torch.no_grad():
+        g.gate_bias.fill_(20.0)  # every gate fires
+        steps = 0
+        while not g.pruned.all():
+            rate = g.update_statistics(g(h, pad), pad)
+            steps += 1
+        # 1 - 0.9 * 0.99^n >= 0.5 from the first n = 59 batches
+        assert steps == 59 and g.pruned_layers() == [0, 1, 2]
+        assert torch.equal(rate, torch.ones(3))
+        g.gate_bias.fill_(-20.0)
+        for _ in range(300):
+            g.update_statistics(g(h, pad), pad)
+        assert g.gate_prob.max() < 0.1 and g.pruned_layers() == [0, 1, 2]  # sticky
+    # unit mode reads the greedy masks instead
+    u = AttendOutGenerator(16, 3, decision="unit", prune_threshold=0.5)
+    with torch.no_grad():
+        u.gate_bias.fill_(20.0)
+        for _ in range(100):
+            u.update_statistics(u(h, pad), pad)
+        assert u.pruned_layers() == []
+        u.drop_bias.fill_(40.0)  # every greedy mask drops every unit
+        steps = 0
+        while not u.pruned.all():
+            u.update_statistics(u(h, pad), pad)
+            steps += 1
+        assert steps == 69  # 1 - 0.99^n >= 0.5
+
+
+def test_pruned_layers_run_as_eq3_in_training_and_leave_the_policy(data):
+    """Trained as exported: a pruned layer is dropped (Eq. 3) for every example of every
+    training batch, and the pruning step's log P has no term for it."""
+    task, model, criterion, cfg = build(data)
+    assert model.generator.decision == "layer"  # the default
+    model.generator.pruned[1] = True
+    seen = []
+    hook = model.encoder.register_forward_hook(
+        lambda m, args, kwargs, out: seen.append(kwargs.get("attendout_drop")),
+        with_kwargs=True)
+    sample = make_sample(task)
+    task.train_step(sample, model, criterion, Optimizer(cfg, model), 0)
+    hook.remove()
+    assert seen[0][:, 1].all() and not seen[0][:, 0].all()
+    # Q and K of the pruned layer got no gradient; layer 0's did
+    layers = model.encoder.sentence_encoder.layers
+    assert layers[1].self_attn.q_proj.weight.grad.abs().max() == 0
+    assert layers[0].self_attn.q_proj.weight.grad.abs().max() > 0
+    g = model.generator
+    tokens = sample["net_input"]["src_tokens"]
+    pad = tokens.eq(task.source_dictionary.pad())
+    logits = task._drop_logits(model, tokens, pad)
+    per_layer = []
+    for pruned in (True, False):
+        g.pruned[1] = pruned
+        per_layer.append(g.action_log_prob(logits, seen[0], pad))
+    # 3 layers: the pruned one counts 0, so the difference is layer 1's own term / 3
+    assert (per_layer[0] - per_layer[1]).abs().min() > 0
+
+
+# --------------------------------------------------------------------------- controls
+# The generator alone, on synthetic inputs, under fixed rewards, with the task's defaults:
+# Adam at 5e-5 (the paper's), baseline decay 0.95, threshold 0.5, init 0.1, statistics
+# decay 0.99 per batch. A pruning step rewards 4 batches of 8 examples (lengths 6-24) of a
+# 6-layer, 64-wide generator. Inputs: token noise around a shared direction, layer-normed,
+# as real embeddings are (anisotropic).
+
+
+def control_inputs(gen, batch=8, dim=64, max_len=24):
+    lengths = torch.randint(6, max_len + 1, (batch,), generator=gen)
+    T = int(lengths.max())
+    pad = torch.arange(T)[None, :] >= lengths[:, None]
+    h = torch.randn(batch, T, dim, generator=gen) + torch.randn(dim, generator=gen)
+    return F.layer_norm(h, (dim,)).masked_fill(pad[..., None], 0), pad
+
+
+def run_control(decision, reward, seed, steps, k=5, layers=6, dim=64, batches=4):
+    """Pruning steps until a layer is pruned (None if none is): (steps, pruned layers)."""
+    torch.manual_seed(seed)
+    g = AttendOutGenerator(dim, layers, init_drop=0.1, decision=decision, prune_threshold=0.5)
+    g.build_optimizer(5e-5)
+    data_gen = torch.Generator().manual_seed(1000 + seed)
+    for step in range(steps):
+        cache = []
+        for _ in range(batches):
+            h, pad = control_inputs(data_gen, dim=dim)
+            with torch.no_grad():
+                logits = g(h, pad)
+                g.update_statistics(logits, pad)
+                seed_ = int(torch.randint(0, 2 ** 62, (1,), generator=data_gen))
+                cache.append((h, pad, g.sample(logits, pad, seed_)))
+        rewards, log_probs = [], []
+        g.requires_grad_(True)
+        for h, pad, drop in cache:
+            if reward == "layer":  # 1 where layer k ran as Eq. 3 for the example
+                whole = (drop | ~unit_mask(pad)[:, None]).all(-1).all(-1)
+                rewards.append(whole[:, k].float())
+            else:  # noise, independent of the action
+                rewards.append(torch.randn(h.size(0), generator=data_gen))
+            log_probs.append(g.action_log_prob(g(h, pad), drop, pad))
+        reinforce_step(g, rewards, log_probs, 0.95)
+        g.requires_grad_(False)
+        if g.pruned.any():
+            return step + 1, g.pruned_layers()
+    return None, []
+
+
+def test_control_a_reward_for_dropping_the_last_layer_turns_its_gate_on():
+    """Layer mode: within 300 pruning steps in at least 4 of 5 seeds, and that layer only.
+    Measured (seeds 0-4): 236, 252, 228, 197, 260 pruning steps. (With k = 4 the shared
+    gate turns on layer 5 first: the deepest layers' scores move together; docs say so.)"""
+    results = [run_control("layer", "layer", seed, 300, k=5) for seed in range(5)]
+    on = [steps for steps, pruned in results if steps is not None and pruned == [5]]
+    assert len(on) >= 4, results
+
+
+@pytest.mark.parametrize("decision", ["layer", "unit"])
+def test_control_a_noise_reward_prunes_nothing(decision):
+    """300 pruning steps of a reward independent of the action prune no layer in 5 of 5
+    seeds, in both modes. (The issue expected the unit mode to fail this; at the paper's
+    5e-5 on these inputs it does not: its drop probabilities stay at 0.09-0.12.)"""
+    results = [run_control(decision, "noise", seed, 300) for seed in range(5)]
+    assert all(steps is None for steps, _ in results), results
+
+
+# --------------------------------------------------------------------------- static pruning
+
+
+def static_args(data, *extra, task="sentence_prediction"):
+    return [str(data), "--user-dir", USER_DIR, "--task", task, "--arch", "roberta_attendout",
+            *TINY, "--criterion", "sentence_prediction", "--num-classes", "2", "--cpu",
+            "--optimizer", "adam", "--lr", "1e-3", *extra]
+
+
+def build_static(data, layers):
+    args = options.parse_args_and_arch(options.get_training_parser(), static_args(
+        data, "--attendout-static-prune-layers", layers))
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(0)
+    model = task.build_model(cfg.model)
+    model.register_classification_head(HEAD, num_classes=2)
+    return task, model, task.build_criterion(cfg.criterion), cfg
+
+
+def test_static_pruning_is_a_plain_roberta_with_eq3_layers(data):
+    task, model, criterion, cfg = build_static(data, "2,1")
+    assert model.inference_only and model.pruned_layers == (1, 2)
+    assert model.defender is None and model.generator is None
+    plain_cfg = cfg.model
+    plain_cfg._name = "roberta"
+    plain = models.build_model(plain_cfg, task)
+    plain.register_classification_head(HEAD, num_classes=2)
+    assert (sum(p.numel() for p in model.parameters())
+            == sum(p.numel() for p in plain.parameters()))  # no defender, no generator
+    model.train()
+    loss, _, _ = criterion(model, make_sample(task))
+    loss.backward()
+    layers = model.encoder.sentence_encoder.layers
+    assert layers[0].self_attn.k_proj.weight.grad.abs().max() > 0
+    for i in (1, 2):  # Eq. 3 skips Q and K
+        assert layers[i].self_attn.k_proj.weight.grad is None
+        assert layers[i].self_attn.v_proj.weight.grad.abs().max() > 0
+
+
+def test_static_pruning_end_to_end_and_its_export(data, tmp_path):
+    cmd = train_cmd(data, tmp_path / "ckpt", "--attendout-static-prune-layers", "2",
+                    max_update=4)
+    cmd[cmd.index("sentence_prediction_attendout")] = "sentence_prediction"
+    for flag, value in (("--attendout-interval", "4"), ("--attendout-generator-lr", "1e-2")):
+        i = cmd.index(flag)
+        del cmd[i:i + 2]
+    log = run(cmd, tmp_path)
+    assert "AttendOut pruning step" not in log
+    state = load(tmp_path / "ckpt" / "checkpoint_last.pt")
+    assert not any(k.startswith(("defender.", "generator.")) for k in state["model"])
+    # the checkpoint is already the export: it loads with layer 2 pruned
+    loaded, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(tmp_path / "ckpt" / "checkpoint_last.pt")])
+    assert loaded[0].inference_only and loaded[0].pruned_layers == (2,)
+    # and the export recipe writes the same format as AttendOut's
+    out = tmp_path / "exported.pt"
+    assert export_attendout.main(["--checkpoint", str(tmp_path / "ckpt" / "checkpoint_last.pt"),
+                                  "--output", str(out)]) == 0
+    exported = load(out)
+    assert exported["cfg"]["model"].attendout_pruned_layers == "2"
+    assert exported["cfg"]["model"].attendout_inference_only
+    assert "last_optimizer_state" not in exported
+    for key, value in state["model"].items():
+        assert torch.equal(exported["model"][key], value), key
+    model = checkpoint_utils.load_model_ensemble_and_task([str(out)])[0][0].eval()
+    assert model.pruned_layers == (2,)
+    sharpen(model)
+    sharpen(loaded[0].eval())
+    tokens = make_sample(task)["net_input"]["src_tokens"]
+    torch.testing.assert_close(model(tokens, classification_head_name=HEAD)[0],
+                               loaded[0](tokens, classification_head_name=HEAD)[0])
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--attendout-prune-threshold", "1.0"], r"--attendout-prune-threshold must be in \(0, 1\)"),
+    (["--attendout-prune-threshold", "0"], r"--attendout-prune-threshold must be in \(0, 1\)"),
+    (["--attendout-prune-threshold", "-0.2"], r"--attendout-prune-threshold must be in"),
+    (["--attendout-static-prune-layers", "3"], r"static-prune-layers '3': layers are 0\.\.2"),
+    (["--attendout-static-prune-layers", "a,b"], r"static-prune-layers must be comma-sep"),
+    (["--attendout-static-prune-layers", "1"], r"use --task sentence_prediction, not"),
+])
+def test_bad_input_fails_while_parsing(data, extra, match):
+    """fairseq-train parses (and runs the arch function) before creating anything."""
+    with pytest.raises(ValueError, match=match):
+        options.parse_args_and_arch(options.get_training_parser(), static_args(
+            data, *extra, task="sentence_prediction_attendout"))
+
+
+def test_an_unknown_decision_mode_is_refused(data, capsys):
+    with pytest.raises(SystemExit):
+        options.parse_args_and_arch(options.get_training_parser(), static_args(
+            data, "--attendout-decision", "heads", task="sentence_prediction_attendout"))
+    assert "invalid choice: 'heads'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--attendout-decision must be one of layer, unit"):
+        AttendOutGenerator(16, 3, decision="heads")
+
+
+def test_static_pruning_with_the_attendout_task_leaves_nothing_behind(data, tmp_path):
+    cmd = train_cmd(data, tmp_path / "ckpt", "--attendout-static-prune-layers", "1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          env={"PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp"})
+    assert proc.returncode != 0
+    assert "use --task sentence_prediction, not sentence_prediction_attendout" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no save dir, no log
