@@ -14,6 +14,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # long file collected last leaves the other workers idle at the end.
 SLOWEST_FIRST = [
     "tests/test_demo_rerun.py",
+    "tests/test_attendout_gate.py",
     "experiments/tests/test_sotu.py",
     "tests/test_translation_recipe.py",
     "tests/test_glue_recipe.py",
