@@ -10,12 +10,17 @@ checked for launches and syncs without a GPU::
         loss, sample_size, log = criterion(model, sample)
         loss.backward()
     print(ops.total, ops.syncing)
+
+:class:`LiveBytes` tracks the bytes of the tensor storages that ops allocate, and their
+peak, the same way (what a step allocates, on any device, without the allocator's stats).
 """
 
+import weakref
 from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 # Ops that synchronise with the host on CUDA: reading a value back (.item(), bool(), int(),
 # float(), Python branching on a tensor), comparing whole tensors, and ops whose output size
@@ -65,3 +70,28 @@ def _has_bool_index(args):
     indices = args[1] if len(args) > 1 else ()
     return any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8)
                for i in (indices or ()))
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages that ops allocate while active (``live``), and their
+    ``peak``: a storage counts from the op that makes it until it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.storages = set()
+
+    def _freed(self, key, nbytes):
+        self.live -= nbytes
+        self.storages.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self.storages:
+                storage = t.untyped_storage()
+                self.storages.add(storage.data_ptr())
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
+        return out

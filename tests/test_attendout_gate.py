@@ -212,30 +212,31 @@ def run_control(decision, reward, seed, steps, k=5, layers=6, dim=64, batches=4)
     g = AttendOutGenerator(dim, layers, init_drop=0.1, decision=decision, prune_threshold=0.5)
     g.build_optimizer(5e-5)
     data_gen = torch.Generator().manual_seed(1000 + seed)
+    g.requires_grad_(True)
     for step in range(steps):
         cache = []
         for _ in range(batches):
             h, pad = control_inputs(data_gen, dim=dim)
+            # one forward serves the action and its log P (the task recomputes the logits
+            # in the pruning step; here nothing changes the generator in between)
+            logits = g(h, pad)
             with torch.no_grad():
-                logits = g(h, pad)
                 g.update_statistics(logits, pad)
                 seed_ = int(torch.randint(0, 2 ** 62, (1,), generator=data_gen))
-                cache.append((h, pad, g.sample(logits, pad, seed_)))
+                cache.append((logits, pad, g.sample(logits, pad, seed_)))
         rewards = []
-        for h, pad, drop in cache:
+        for _, pad, drop in cache:
             if reward == "layer":  # 1 where layer k ran as Eq. 3 for the example
                 whole = (drop | ~unit_mask(pad)[:, None]).all(-1).all(-1)
                 rewards.append(whole[:, k].float())
             else:  # noise, independent of the action
-                rewards.append(torch.randn(h.size(0), generator=data_gen))
+                rewards.append(torch.randn(pad.size(0), generator=data_gen))
 
-        def log_prob(t):  # as the task's pruning step: batch t's graph, one at a time
-            h, pad, drop = cache[t]
-            return g.action_log_prob(g(h, pad), drop, pad)
+        def log_prob(t):  # as the task's pruning step: one batch's backward at a time
+            logits, pad, drop = cache[t]
+            return g.action_log_prob(logits, drop, pad)
 
-        g.requires_grad_(True)
         reinforce_step(g, rewards, log_prob, 0.95)
-        g.requires_grad_(False)
         if g.pruned.any():
             return step + 1, g.pruned_layers()
     return None, []

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import types
 import time
 from pathlib import Path
 
@@ -48,14 +49,38 @@ def test_mac_ratio_is_one_without_pruning_and_grows_with_it():
     assert all(a < b for a, b in zip(ratios, ratios[1:]))
 
 
-def test_tiny_cpu_run_prints_and_writes_both_sections(tmp_path):
+def children_in_this_process(monkeypatch):
+    """The benchmark's per-method subprocesses (fresh, for a peak memory of their own) run
+    in this process: here the tables and ratios are tested, not the figures.
+    test_tiny_cpu_run_of_the_pruning_section[step] runs real ones."""
+    import contextlib
+    import io
+
+    import torch
+
+    threads = torch.get_num_threads()
+    real_run = subprocess.run
+
+    def run(cmd, *args, **kwargs):
+        if list(cmd[:2]) != [sys.executable, bench.__file__]:  # not a child of the benchmark
+            return real_run(cmd, *args, **kwargs)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert bench.main([str(c) for c in cmd[2:]]) == 0
+        torch.set_num_threads(threads)  # the child sets its own
+        return subprocess.CompletedProcess(cmd, 0, out.getvalue(), "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+
+
+def test_tiny_cpu_run_prints_and_writes_both_sections(tmp_path, monkeypatch, capsys):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "all", "--layers", "2", "--dim", "16", "--heads", "2",
-         "--length", "8", "--batch", "2", "--interval", "2", "--intervals", "1",
-         "--repeats", "1", "--work", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    children_in_this_process(monkeypatch)
+    assert bench.main(["all", "--layers", "2", "--dim", "16", "--heads", "2",
+                       "--length", "8", "--batch", "2", "--interval", "2", "--intervals", "1",
+                       "--repeats", "1", "--work", str(tmp_path / "work"),
+                       "--json", str(out)]) == 0
+    proc = types.SimpleNamespace(stdout=capsys.readouterr().out)
     result = json.loads(out.read_text())
     steps = result["step"]
     assert [r["method"] for r in steps] == ["baseline", "rdrop", "attendout", "attendout_rdrop"]
@@ -69,14 +94,25 @@ def test_tiny_cpu_run_prints_and_writes_both_sections(tmp_path):
 
 
 @pytest.mark.parametrize("part", ["generator", "step"])
-def test_tiny_cpu_run_of_the_pruning_section(tmp_path, part):
+def test_tiny_cpu_run_of_the_pruning_section(tmp_path, part, monkeypatch):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "pruning", "--layers", "2", "--dim", "16", "--heads",
-         "2", "--length", "8", "--pruning-batch", "2", "--prune-t", "1", "2", "--prune-part",
-         part, "--work", str(tmp_path / "work"), "--json", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["pruning", "--layers", "2", "--dim", "16", "--heads", "2", "--length", "8",
+            "--pruning-batch", "2", "--prune-t", "1", "2", "--prune-part", part,
+            "--work", str(tmp_path / "work"), "--json", str(out)]
+    if part == "generator":  # its four children in this process; "step": real ones
+        children_in_this_process(monkeypatch)
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True,
+                          text=True, cwd=REPO, timeout=600) if part == "step" else None
+    if proc is not None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        import contextlib
+        import io
+
+        stdout = io.StringIO()
+        with contextlib.redirect_stdout(stdout):
+            assert bench.main(argv) == 0
+        proc = types.SimpleNamespace(stdout=stdout.getvalue())
     rows = json.loads(out.read_text())["pruning"]
     impls = ["per_batch"] + (["all_at_once"] if part == "generator" else [])
     assert [(r["impl"], r["cached"]) for r in rows] == [(i, t) for i in impls for t in (1, 2)]

@@ -12,15 +12,12 @@ Every criterion is exercised through the same checks:
 
 import logging
 import math
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from fairseq import options
 from fairseq.criterions.adaptive_loss import AdaptiveLoss
@@ -51,6 +48,7 @@ from rdrop_fairseq.criterions.label_smoothed_cross_entropy_rdrop import (
     LabelSmoothedCrossEntropyRDropConfig,
 )
 from rdrop_fairseq.criterions.sentence_prediction_rdrop import SentencePredictionRDropConfig
+from rdrop_fairseq.opcount import LiveBytes
 
 VOCAB = 40
 HEAD = "sentence_classification_head"
@@ -855,30 +853,6 @@ def test_log_prob_fallback_is_logged_once(caplog):
         for seed in range(3):
             run(criterion, model, case.make_sample(), seed=seed)
     assert sum("log-probabilities" in r.getMessage() for r in caplog.records) == 1
-
-
-class LiveBytes(TorchDispatchMode):
-    """The bytes of the storages that ops allocate while active, and their peak."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.storages = set()
-
-    def _freed(self, key, nbytes):
-        self.live -= nbytes
-        self.storages.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self.storages:
-                storage = t.untyped_storage()
-                self.storages.add(storage.data_ptr())
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
-        return out
 
 
 @pytest.mark.parametrize("chunk_mb", [8.0, 32.0])

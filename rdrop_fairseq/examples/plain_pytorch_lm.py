@@ -22,15 +22,14 @@ import argparse
 import json
 import math
 import sys
-import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from rdrop_fairseq.core import rdrop_loss
 from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
+from rdrop_fairseq.opcount import LiveBytes
 
 PAD = 0
 
@@ -139,30 +138,6 @@ def compare_paths(model, tokens, target, *, alpha, seed=0, chunk_mb=0.0):
     return {path: {"loss": (loss - ref_loss).abs().item(),
                    "grad": max((g - r).abs().max().item() for g, r in zip(grads, ref_grads))}
             for path, (loss, grads) in results.items() if path != "logits"}
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensor storages that ops allocate while active (CPU or GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.storages = set()
-
-    def _freed(self, key, nbytes):
-        self.live -= nbytes
-        self.storages.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self.storages:
-                storage = t.untyped_storage()
-                self.storages.add(storage.data_ptr())
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._freed, storage.data_ptr(), storage.nbytes())
-        return out
 
 
 def step_peak_bytes(model, tokens, target, *, alpha, path, chunk_mb=0.0):
