@@ -1,6 +1,7 @@
 """The AttendOut real-weights check (experiments.prepare_spam_assassin,
-experiments.attendout_spam_check) on a stand-in package built here: e-mail parsing, the
-split, the committed derivative, and the training commands of the four modes."""
+experiments.attendout_check) on stand-in packages built here: e-mail parsing, the split,
+the committed derivative, the sotu-party task's reading, and the training commands of the
+modes."""
 
 import argparse
 import json
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import attendout_spam_check, prepare_spam_assassin
+from experiments import attendout_check, prepare_spam_assassin
 
 MESSAGES = {
     "plain": "From: a@b.c\nSubject: hi\n\nHello   there,\nsee you\n",
@@ -130,12 +131,13 @@ def test_committed_derivative_has_the_split_sizes_and_is_not_saturated():
     assert 0.6 < naive_bayes_accuracy(splits["train"], splits["test"]) < 0.9
 
 
-def test_training_commands_of_the_four_modes(tmp_path, monkeypatch):
-    args = argparse.Namespace(
-        epochs=10, batch_size=16, lr=3e-5, alpha=1.0, interval=10, generator_lr=5e-5)
-    cmds = {mode: [str(c) for c in attendout_spam_check.train_command(
-                mode, 1, tmp_path / "bin", tmp_path / "enc", tmp_path / mode, args)]
-            for mode in attendout_spam_check.MODES}
+def test_training_commands_of_the_modes(tmp_path):
+    args = argparse.Namespace(updates=400, batch_size=16, lr=3e-5, alpha=1.0, interval=10,
+                              generator_lr=5e-5, device="cpu")
+    cmds = {mode: [str(c) for c in attendout_check.train_command(
+                mode, 1, tmp_path / "bin", tmp_path / "enc", tmp_path / mode, args,
+                static_count=2)]
+            for mode in attendout_check.MODES}
 
     def value(cmd, flag):
         return cmd[cmd.index(flag) + 1]
@@ -143,24 +145,92 @@ def test_training_commands_of_the_four_modes(tmp_path, monkeypatch):
     assert value(cmds["baseline"], "--task") == "sentence_prediction"
     assert value(cmds["baseline"], "--arch") == "roberta"
     assert value(cmds["rdrop"], "--criterion") == "sentence_prediction_rdrop"
-    assert value(cmds["attendout"], "--task") == "sentence_prediction_attendout"
-    assert value(cmds["attendout"], "--criterion") == "sentence_prediction"
-    assert value(cmds["attendout_rdrop"], "--rdrop-alpha") == "1.0"
-    assert value(cmds["attendout_rdrop"], "--arch") == "roberta_attendout"
-    assert value(cmds["attendout"], "--attendout-generator-lr") == "5e-05"
-    # --epochs over the training split's 2 x TRAIN e-mails, in batches of 16
-    updates = 10 * math.ceil(2 * prepare_spam_assassin.TRAIN / 16)
+    assert value(cmds["rdrop"], "--rdrop-alpha") == "1.0"
+    for mode, decision in (("attendout_unit", "unit"), ("attendout_layer", "layer")):
+        assert value(cmds[mode], "--task") == "sentence_prediction_attendout"
+        assert value(cmds[mode], "--arch") == "roberta_attendout"
+        assert value(cmds[mode], "--criterion") == "sentence_prediction"
+        assert value(cmds[mode], "--attendout-decision") == decision
+        assert value(cmds[mode], "--attendout-generator-lr") == "5e-05"
+        assert value(cmds[mode], "--attendout-interval") == "10"
+    # static: the plain task on the AttendOut model, the last static_count of 6 layers
+    assert value(cmds["static"], "--task") == "sentence_prediction"
+    assert value(cmds["static"], "--arch") == "roberta_attendout"
+    assert value(cmds["static"], "--attendout-static-prune-layers") == "4,5"
+    assert attendout_check.static_layers(6) == "0,1,2,3,4,5"
+    assert not any("--attendout-static" in c for m, cmd in cmds.items() if m != "static"
+                   for c in cmd)
     for cmd in cmds.values():
-        assert value(cmd, "--max-update") == value(cmd, "--total-num-update") == str(updates)
-        assert value(cmd, "--warmup-updates") == str(updates // 10)
-        assert "--reset-optimizer" in cmd
-    # the count follows the split's size, not a number of its own
-    monkeypatch.setattr(prepare_spam_assassin, "TRAIN", 25)
-    cmd = [str(c) for c in attendout_spam_check.train_command(
-        "baseline", 1, tmp_path / "bin", tmp_path / "enc", tmp_path / "other", args)]
-    assert value(cmd, "--max-update") == str(10 * math.ceil(50 / 16))
-    (tmp_path / "baseline").mkdir()
+        assert value(cmd, "--max-update") == value(cmd, "--total-num-update") == "400"
+        assert value(cmd, "--warmup-updates") == "40"
+        assert "--reset-optimizer" in cmd and "--cpu" in cmd
+    on_gpu = attendout_check.train_command("baseline", 1, tmp_path / "bin", tmp_path / "enc",
+                                           tmp_path / "gpu", argparse.Namespace(
+                                               **{**vars(args), "device": "cuda"}))
+    assert "--cpu" not in map(str, on_gpu)
+    (tmp_path / "baseline").mkdir(exist_ok=True)
     (tmp_path / "baseline" / "checkpoint_last.pt").write_text("")
-    resumed = attendout_spam_check.train_command("baseline", 1, tmp_path / "bin",
-                                                  tmp_path / "enc", tmp_path / "baseline", args)
+    resumed = attendout_check.train_command("baseline", 1, tmp_path / "bin",
+                                            tmp_path / "enc", tmp_path / "baseline", args)
     assert "--restore-file" not in resumed  # fairseq resumes from checkpoint_last.pt
+
+
+def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys):
+    for argv, message in ((["--modes", "static"], "needs attendout_layer"),
+                          (["--static-layers", "7"], "--static-layers must be in 0..6"),
+                          (["--updates", "0"], "--updates and --interval must be >= 1")):
+        with pytest.raises(SystemExit):
+            attendout_check.main(["--work", str(tmp_path / "w"), *argv])
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_sotu_party_task_reads_paragraphs_and_parties_by_address(tmp_path, monkeypatch):
+    """sotu-party: prepare_sotu_glue's party rows as (label, paragraph), split by address
+    (every address in one split only), Democratic or Republican from 1861 on."""
+    from experiments import prepare_sotu
+
+    sentence = "We the people of these states met today in this hall again. "
+    addresses = [{"year": 1850 + i, "name": f"P{i}", "text": sentence * 30,
+                  "party": ("Whig", "Democratic", "Republican")[(i % 3)]}
+                 for i in range(0, 60)]
+    monkeypatch.setattr(prepare_sotu, "load_addresses", lambda source, download: addresses)
+    splits = attendout_check.read_task("sotu-party", tmp_path, "unused")
+    assert set(splits) == {"train", "valid", "test"}
+    for rows in splits.values():
+        assert rows and {label for label, _ in rows} <= {"Democratic", "Republican"}
+        assert all(text.startswith("We the people") for _, text in rows)
+    assert {label for label, _ in splits["train"]} == {"Democratic", "Republican"}
+    # no Whig, no address before 1861: 60 addresses, of which those from 1861 on with
+    # i % 3 != 0 are kept, each with prepare_sotu_glue's paragraphs
+    kept = [a for a in addresses if a["year"] >= 1861 and a["party"] != "Whig"]
+    per_address = len(splits["train"] + splits["valid"] + splits["test"]) / len(kept)
+    assert per_address == int(per_address) >= 1
+
+
+def test_summary_of_results(tmp_path):
+    """The summary's means and stds, the pruned/full gap only for AttendOut arms, the
+    speed-up as full / pruned seconds, and a static arm with k = 0 shown as the baseline."""
+    runs = [
+        {"mode": "baseline", "seed": 1, "accuracy": 80.0, "f1": 70.0, "pruned_layers": [],
+         "seconds_per_update": 1.0},
+        {"mode": "baseline", "seed": 2, "accuracy": 82.0, "f1": 72.0, "pruned_layers": [],
+         "seconds_per_update": 1.2},
+        {"mode": "attendout_layer", "seed": 1, "accuracy": 81.0, "f1": 71.0,
+         "pruned_layers": [4, 5], "accuracy_unpruned": 84.0, "seconds_full": 3.0,
+         "seconds_pruned": 2.0, "seconds_per_update": None},
+        {"mode": "static", "seed": 1, "accuracy": 79.0, "f1": 69.0, "pruned_layers": [4, 5],
+         "accuracy_unpruned": 60.0, "seconds_full": 4.0, "seconds_pruned": 2.0,
+         "seconds_per_update": 1.0},
+    ]
+    args = argparse.Namespace(task="spam", updates=400, interval=10, plot="")
+    summary = attendout_check.summarize(runs, tmp_path, args)
+    assert summary["baseline"]["accuracy"] == pytest.approx((81.0, 2 ** 0.5))
+    assert summary["baseline"]["seconds_per_update"] == pytest.approx((1.1, 0.02 ** 0.5))
+    assert summary["attendout_layer"]["gap"] == pytest.approx((-3.0, 0.0))
+    assert summary["attendout_layer"]["speedup"] == pytest.approx((1.5, 0.0))
+    assert summary["attendout_layer"]["seconds_per_update"] is None  # resumed: not timed
+    assert summary["static"]["gap"] is None and summary["static"]["speedup"][0] == 2.0
+    table = (tmp_path / "summary.md").read_text()
+    assert "| attendout_layer | 1 | 81.0 ± 0.0 | 71.0 ± 0.0 | 4,5 | -3.0 ± 0.0 |" in table
+    assert json.loads((tmp_path / "summary.json").read_text())["runs"] == runs

