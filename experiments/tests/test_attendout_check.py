@@ -222,6 +222,11 @@ def test_summary_of_results(tmp_path):
         {"mode": "static", "seed": 1, "accuracy": 79.0, "f1": 69.0, "pruned_layers": [4, 5],
          "accuracy_unpruned": 60.0, "seconds_full": 4.0, "seconds_pruned": 2.0,
          "seconds_per_update": 1.0},
+        {"mode": "static", "seed": 2, "accuracy": 82.0, "f1": 72.0, "pruned_layers": [],
+         "seconds_per_update": 1.2, "same_as": "baseline"},
+        # trained on a shared GPU machine: its seconds are no step cost
+        {"mode": "rdrop", "seed": 1, "accuracy": 83.0, "f1": 73.0, "pruned_layers": [],
+         "seconds_per_update": 0.2, "device": "cuda"},
     ]
     args = argparse.Namespace(task="spam", updates=400, interval=10, plot="")
     summary = attendout_check.summarize(runs, tmp_path, args)
@@ -231,6 +236,10 @@ def test_summary_of_results(tmp_path):
     assert summary["attendout_layer"]["speedup"] == pytest.approx((1.5, 0.0))
     assert summary["attendout_layer"]["seconds_per_update"] is None  # resumed: not timed
     assert summary["static"]["gap"] is None and summary["static"]["speedup"][0] == 2.0
+    assert summary["static"]["accuracy"] == pytest.approx((80.5, 4.5 ** 0.5))
+    assert summary["rdrop"]["seconds_per_update"] is None
+    assert summary["rdrop"]["accuracy"] == (83.0, 0.0)
     table = (tmp_path / "summary.md").read_text()
     assert "| attendout_layer | 1 | 81.0 ± 0.0 | 71.0 ± 0.0 | 4,5 | -3.0 ± 0.0 |" in table
+    assert "| static | 2 | 80.5 ± 2.1 | 70.5 ± 2.1 | 4,5; none (k = 0: the baseline's run) |" in table
     assert json.loads((tmp_path / "summary.json").read_text())["runs"] == runs
