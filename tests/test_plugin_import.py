@@ -76,27 +76,32 @@ BEFORE = {
 }
 
 
+ALLOWED = "argparse.Namespace in torch.serialization.get_safe_globals()"
+
+
 @functools.lru_cache(maxsize=None)
 def probe(case):
     """One fresh interpreter per case of BEFORE: what it imports first, then ``import
-    fairseq`` (the registries then: ``imported``), then ``--user-dir`` (``found``)."""
-    return python(textwrap.dedent(f"""
+    fairseq`` (its registries then: ``imported``), then ``--user-dir`` (``found``)."""
+    before = textwrap.dedent(f"""
         import argparse, json, sys
         {BEFORE[case]}
         hooks = [type(f).__name__ for f in sys.meta_path]
         torch_first = "torch" in sys.modules
-        import fairseq
-        import torch
-        after = [type(f).__name__ for f in sys.meta_path]
-        state = {{"hooks": hooks, "left": after, "torch_first": torch_first,
-                  "allow_listed": argparse.Namespace in torch.serialization.get_safe_globals(),
+        import fairseq, torch
+        state = {{"hooks": hooks, "left": [type(f).__name__ for f in sys.meta_path],
+                  "torch_first": torch_first, "allow_listed_then": {ALLOWED},
                   "loader": type(fairseq.__loader__).__name__,
                   "spec_loader": type(fairseq.__spec__.loader).__name__}}
-    """) + REPORT.replace("print(json.dumps(found))", "state['imported'] = found") + (
-        textwrap.dedent(f"""
+    """)
+    user_dir = textwrap.dedent(f"""
         from fairseq.utils import import_user_module
         import_user_module(argparse.Namespace(user_dir={str(PLUGIN)!r}))
-    """)) + REPORT.replace("print(json.dumps(found))", "print(json.dumps({**state, **found}))"))
+        state["allow_listed"] = {ALLOWED}
+    """)
+    imported = REPORT.replace("print(json.dumps(found))", "state['imported'] = found")
+    found = REPORT.replace("print(json.dumps(found))", "print(json.dumps({**state, **found}))")
+    return python(before + imported + user_dir + found)
 
 
 @pytest.mark.parametrize("case", list(BEFORE))
@@ -137,9 +142,10 @@ def test_importing_fairseq_later_registers_the_plugin():
     fairseq's module keeps its own loader (nothing of ours stays on the import path). The
     package alone imports no torch; importing torch later sets the checkpoint allow-list."""
     found = probe("package-first")
-    assert {k: found[k] for k in ("torch_first", "allow_listed", "loader", "spec_loader")} == {
-        "torch_first": False, "allow_listed": True, "loader": "SourceFileLoader",
-        "spec_loader": "SourceFileLoader"}
+    keys = ("torch_first", "allow_listed_then", "loader", "spec_loader")
+    assert {k: found[k] for k in keys} == {"torch_first": False, "allow_listed_then": True,
+                                           "loader": "SourceFileLoader",
+                                           "spec_loader": "SourceFileLoader"}
     assert {"_RegisterAfterFairseq", "_AllowListAfterTorch"} <= set(found["hooks"])
     assert not {"_RegisterAfterFairseq", "_AllowListAfterTorch"} & set(found["left"])
     for registry, names in plugin_names().items():
