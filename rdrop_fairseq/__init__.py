@@ -66,7 +66,7 @@ def _allow_fairseq_checkpoints():
 class _AllowListAfterTorch(_AfterImport):
     """Allow-lists fairseq's checkpoint globals once ``import torch`` has run: a recipe module
     that only runs fairseq's tools (``python -m rdrop_fairseq.recipes.evaluate_lm``) never
-    imports torch (1.7 s of start-up)."""
+    imports torch (1.8 s of start-up)."""
 
     name, then = "torch", staticmethod(_allow_fairseq_checkpoints)
 
