@@ -11,6 +11,7 @@ not R-Drop's gain.
 """
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -33,7 +34,6 @@ MODEL = [
     "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "200",
     "--max-tokens", "2048", "--cpu", "--seed", "1",
     "--eval-bleu", "--eval-bleu-detok", "space",
-    "--eval-bleu-args", '{"beam": 1}',
     "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric",
     "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "50",
     "--no-progress-bar", "--num-workers", "0",
@@ -67,6 +67,10 @@ def main():
     p.add_argument("--train-pairs", type=int, default=4000, help="toy training pairs")
     p.add_argument("--eval-pairs", type=int, default=200,
                    help="toy validation and test pairs, each")
+    p.add_argument("--max-len-b", type=int, default=200,
+                   help="longest hypothesis, in tokens, of validation's greedy decoding and "
+                        "the test's beam search (default: fairseq's %(default)s; toy targets "
+                        "have 3-12 tokens)")
     a = p.parse_args()
     runs = [BASELINE, RDROP] if a.with_baseline else [RDROP]
     out = Path(a.out)
@@ -77,18 +81,21 @@ def main():
          "--trainpref", raw / "train", "--validpref", raw / "valid", "--testpref", raw / "test",
          "--destdir", out / "bin", "--joined-dictionary", "--workers", "1"],
         out / "preprocess.log")
+    eval_bleu_args = json.dumps({"beam": 1, "max_len_b": a.max_len_b})  # greedy
     rows = []
     for name, criterion in runs:
         save = out / re.sub(r"\W+", "_", name).strip("_").lower()
         print(f"[demo] training {name} for {a.max_update} updates", flush=True)
         start = time.time()
         log = run([fairseq_cli("fairseq-train"), out / "bin", "--user-dir", USER_DIR, *MODEL,
-                   *criterion, "--max-update", a.max_update, "--save-dir", save],
+                   *criterion, "--eval-bleu-args", eval_bleu_args, "--max-update", a.max_update,
+                   "--save-dir", save],
                   save.with_suffix(".train.log"), show=r"\| (valid|train) \|")
         minutes = (time.time() - start) / 60
         gen = run([fairseq_cli("fairseq-generate"), out / "bin", "--user-dir", USER_DIR,
                    "--path", save / "checkpoint_best.pt", "--beam", "5", "--cpu",
-                   "--batch-size", "64"], save.with_suffix(".generate.log"))
+                   "--max-len-b", a.max_len_b, "--batch-size", "64"],
+                  save.with_suffix(".generate.log"))
         bleu = float(re.search(r"BLEU4 = ([\d.]+)", gen).group(1))
         best = re.findall(r"best_bleu ([\d.]+)", log)
         kl = re.findall(r"\| train \|.*? rdrop_kl ([\d.]+)", log)

@@ -17,13 +17,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from .checkpoint_compat import allow_fairseq_checkpoint_globals
-
 __version__ = "0.1.0"
-
-# Importing the plugin (which is what --user-dir does) makes torch >= 2.6 load fairseq
-# checkpoints for training resumption, fairseq-generate and fairseq-eval-lm.
-allow_fairseq_checkpoint_globals()
 
 
 def register():
@@ -36,8 +30,23 @@ def register():
     from . import criterions, models, tasks  # noqa: F401
 
 
-class _RegisterAfterFairseq(importlib.abc.MetaPathFinder):
-    """Calls :func:`register` once ``import fairseq`` has run, then leaves ``sys.meta_path``.
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``then()`` once ``import NAME`` has run, then leaves ``sys.meta_path``."""
+
+    name = then = None
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)  # one shot; also keeps the search below from coming back
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Then(spec.loader, self.then)
+        return spec
+
+
+class _RegisterAfterFairseq(_AfterImport):
+    """Calls :func:`register` once ``import fairseq`` has run.
 
     Needed because fairseq's ``import_user_module`` (``--user-dir``) imports nothing when a
     module of the user dir's name is loaded already: a script that imported ``rdrop_fairseq``
@@ -45,21 +54,29 @@ class _RegisterAfterFairseq(importlib.abc.MetaPathFinder):
     fairseq in-process would otherwise get no criteria.
     """
 
-    def find_spec(self, name, path=None, target=None):
-        if name != "fairseq":
-            return None
-        sys.meta_path.remove(self)  # one shot; also keeps the search below from coming back
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _ThenRegister(spec.loader)
-        return spec
+    name, then = "fairseq", staticmethod(register)
 
 
-class _ThenRegister(importlib.abc.Loader):
-    """Loads fairseq with its own loader, puts that loader back, then registers."""
+def _allow_fairseq_checkpoints():
+    from .checkpoint_compat import allow_fairseq_checkpoint_globals
 
-    def __init__(self, loader):
+    allow_fairseq_checkpoint_globals()
+
+
+class _AllowListAfterTorch(_AfterImport):
+    """Allow-lists fairseq's checkpoint globals once ``import torch`` has run: a recipe module
+    that only runs fairseq's tools (``python -m rdrop_fairseq.recipes.evaluate_lm``) never
+    imports torch (1.8 s of start-up)."""
+
+    name, then = "torch", staticmethod(_allow_fairseq_checkpoints)
+
+
+class _Then(importlib.abc.Loader):
+    """Loads a module with its own loader, puts that loader back, then calls ``then()``."""
+
+    def __init__(self, loader, then):
         self.loader = loader
+        self.then = then
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
@@ -67,8 +84,16 @@ class _ThenRegister(importlib.abc.Loader):
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        register()
+        self.then()
 
+
+# Importing the plugin (which is what --user-dir does) makes torch >= 2.6 load fairseq
+# checkpoints for training resumption, fairseq-generate and fairseq-eval-lm: at once if torch
+# is loaded, otherwise when it is first imported.
+if "torch" in sys.modules:
+    _allow_fairseq_checkpoints()
+elif importlib.util.find_spec("torch") is not None:
+    sys.meta_path.insert(0, _AllowListAfterTorch())
 
 if "fairseq" in sys.modules:
     register()

@@ -431,13 +431,18 @@ def test_no_host_sync_and_ops_independent_of_padding(mode):
 
 
 def test_op_count_grows_with_chunks_only():
-    """A 256 MiB chunk at V = 32k and 4096 positions per pass: few chunks, few ops."""
+    """A 256 MiB chunk at V = 32k and 4096 positions per pass: few chunks, few ops. Counted at
+    512 positions with 32 MiB chunks: the same chunks (3 whole, 1 part), so the same ops one
+    by one (checked once at both sizes: 148 each; 4096 positions cost 14 CPU-s, 512 2.4)."""
     v, n = 32000, 4096
-    logits = torch.zeros(2 * n, v)
-    rows = chunk_rows_for(v, logits, 256.0)
+    rows = chunk_rows_for(v, torch.zeros(2, v), 256.0)  # needs the dtype and device only
     assert rows == 256 * 2**20 // (2 * v * 4) == 1048  # 2 float32 rows per pair: 4 chunks
-    target = torch.randint(2, v, (n,), generator=gen(75))
-    ops = _dispatch(logits, target, alpha=5.0, epsilon=0.1, ignore_index=PAD, chunk_mb=256.0)
+    small, small_rows = 512, chunk_rows_for(v, torch.zeros(2, v), 32.0)
+    assert divmod(n, rows)[0] == divmod(small, small_rows)[0] == 3  # 3 whole chunks, 1 part
+    assert n % rows and small % small_rows
+    logits = torch.zeros(2 * small, v)
+    target = torch.randint(2, v, (small,), generator=gen(75))
+    ops = _dispatch(logits, target, alpha=5.0, epsilon=0.1, ignore_index=PAD, chunk_mb=32.0)
     per_chunk_and_fixed = ops.total
     assert ops.n_syncing == 0
     assert per_chunk_and_fixed <= 26 * 4 + 45, ops.by_op

@@ -2,11 +2,15 @@
 fairseq's ``--user-dir`` registers every criterion, model and task of the plugin, also when
 ``rdrop_fairseq`` was imported before fairseq (``import_user_module`` then imports nothing).
 
-Each case runs in a fresh interpreter, since what is in ``sys.modules`` is the point. The
-expected names are read from the plugin's source (its ``register_*`` decorators), not from
-the package.
+Each case runs in a fresh interpreter, since what is in ``sys.modules`` is the point: one per
+order of imports (``probe``: what comes first, then ``import fairseq``, then ``--user-dir``),
+whose report the tests share. The expected names are read from the plugin's source (its
+``register_*`` decorators), not from the package. Also: torch's checkpoint allow-list is set
+whether torch is imported before the plugin or after it, and a recipe module that only runs
+fairseq's tools imports neither torch nor fairseq.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -64,60 +68,85 @@ def test_the_plugin_registers_something():
     assert len(names["fairseq.criterions.CRITERION_REGISTRY"]) == 4
 
 
-@pytest.mark.parametrize("before", [
-    "",  # fairseq-train --user-dir: fairseq first
-    "import rdrop_fairseq",  # the trap: already in sys.modules when --user-dir comes
-    "import rdrop_fairseq.core",  # a plain-torch script that then runs fairseq in-process
-    "import rdrop_fairseq.criterions",  # an explicit import, which imports fairseq itself
-], ids=["fairseq-first", "package-first", "core-first", "criterions-first"])
-def test_user_dir_registers_every_criterion_model_and_task(before):
-    found = python(textwrap.dedent(f"""
-        import argparse
-        {before}
+BEFORE = {
+    "fairseq-first": "",  # fairseq-train --user-dir: fairseq first
+    "package-first": "import rdrop_fairseq",  # the trap: in sys.modules when --user-dir comes
+    "core-first": "import rdrop_fairseq.core",  # a plain-torch script, then fairseq in-process
+    "criterions-first": "import rdrop_fairseq.criterions",  # imports fairseq itself
+}
+
+
+ALLOWED = "argparse.Namespace in torch.serialization.get_safe_globals()"
+
+
+@functools.lru_cache(maxsize=None)
+def probe(case):
+    """One fresh interpreter per case of BEFORE: what it imports first, then ``import
+    fairseq`` (its registries then: ``imported``), then ``--user-dir`` (``found``)."""
+    before = textwrap.dedent(f"""
+        import argparse, json, sys
+        {BEFORE[case]}
+        hooks = [type(f).__name__ for f in sys.meta_path]
+        torch_first = "torch" in sys.modules
+        import fairseq, torch
+        state = {{"hooks": hooks, "left": [type(f).__name__ for f in sys.meta_path],
+                  "torch_first": torch_first, "allow_listed_then": {ALLOWED},
+                  "loader": type(fairseq.__loader__).__name__,
+                  "spec_loader": type(fairseq.__spec__.loader).__name__}}
+    """)
+    user_dir = textwrap.dedent(f"""
         from fairseq.utils import import_user_module
         import_user_module(argparse.Namespace(user_dir={str(PLUGIN)!r}))
-    """) + REPORT)
+        state["allow_listed"] = {ALLOWED}
+    """)
+    imported = REPORT.replace("print(json.dumps(found))", "state['imported'] = found")
+    found = REPORT.replace("print(json.dumps(found))", "print(json.dumps({**state, **found}))")
+    return python(before + imported + user_dir + found)
+
+
+@pytest.mark.parametrize("case", list(BEFORE))
+def test_user_dir_registers_every_criterion_model_and_task(case):
+    found = probe(case)
     for registry, names in plugin_names().items():
         missing = set(names) - set(found[registry])
-        assert not missing, f"{registry} lacks {sorted(missing)} (imported first: {before!r})"
+        assert not missing, f"{registry} lacks {sorted(missing)} (imported first: {case})"
+    assert found["allow_listed"]  # torch loaded before the plugin or after it
 
 
 def test_the_core_does_not_import_fairseq():
     """``rdrop_fairseq.core`` and ``fused_linear`` need torch alone: fairseq stays unloaded
-    though it is installed; the checkpoint allow-list is still set on a plain import."""
+    though it is installed; the checkpoint allow-list is still set on a plain import. A recipe
+    module that only runs fairseq's tools imports neither."""
     assert importlib.util.find_spec("fairseq") is not None, "the check needs fairseq installed"
     out = python("""
-        import argparse, json, sys, torch
-        import rdrop_fairseq
+        import argparse, json, sys
+        import rdrop_fairseq.recipes.evaluate_lm
+        recipe = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "fairseq"))
+        import torch
         from rdrop_fairseq.core import rdrop_loss
         from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
         logits = torch.randn(4, 7, requires_grad=True)
         rdrop_loss(logits, torch.tensor([1, 2]), alpha=1.0).total.backward()
         print(json.dumps({
+            "recipe": recipe,
             "fairseq": sorted(m for m in sys.modules if m.split(".")[0] == "fairseq"),
             "criteria": "rdrop_fairseq.criterions" in sys.modules,
             "allow_listed": argparse.Namespace in torch.serialization.get_safe_globals(),
         }))
     """)
-    assert out == {"fairseq": [], "criteria": False, "allow_listed": True}
+    assert out == {"recipe": [], "fairseq": [], "criteria": False, "allow_listed": True}
 
 
 def test_importing_fairseq_later_registers_the_plugin():
     """``import rdrop_fairseq`` then ``import fairseq`` (no --user-dir): registered, and
-    fairseq's module keeps its own loader (nothing of ours stays on the import path)."""
-    found = python("""
-        import json, sys
-        import rdrop_fairseq
-        hooks = [type(f).__name__ for f in sys.meta_path]
-        import fairseq
-        after = [type(f).__name__ for f in sys.meta_path]
-        print(json.dumps({"hooked": "_RegisterAfterFairseq" in hooks,
-                          "left": "_RegisterAfterFairseq" in after,
-                          "loader": type(fairseq.__loader__).__name__,
-                          "spec_loader": type(fairseq.__spec__.loader).__name__}))
-    """)
-    assert found == {"hooked": True, "left": False, "loader": "SourceFileLoader",
-                     "spec_loader": "SourceFileLoader"}
-    found = python("import rdrop_fairseq, fairseq\n" + REPORT)
+    fairseq's module keeps its own loader (nothing of ours stays on the import path). The
+    package alone imports no torch; importing torch later sets the checkpoint allow-list."""
+    found = probe("package-first")
+    keys = ("torch_first", "allow_listed_then", "loader", "spec_loader")
+    assert {k: found[k] for k in keys} == {"torch_first": False, "allow_listed_then": True,
+                                           "loader": "SourceFileLoader",
+                                           "spec_loader": "SourceFileLoader"}
+    assert {"_RegisterAfterFairseq", "_AllowListAfterTorch"} <= set(found["hooks"])
+    assert not {"_RegisterAfterFairseq", "_AllowListAfterTorch"} & set(found["left"])
     for registry, names in plugin_names().items():
-        assert set(names) <= set(found[registry]), registry
+        assert set(names) <= set(found["imported"][registry]), registry
