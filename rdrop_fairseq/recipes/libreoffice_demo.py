@@ -234,7 +234,7 @@ def run_all(jobs, parallel, on_done=None):
                 running.append((name, subprocess.Popen(cmd, stdout=handle,
                                                        stderr=subprocess.STDOUT, env=env),
                                 log, handle, seen))
-            time.sleep(2)
+            time.sleep(0.5)  # a job's end is seen (and the next started) within half a second
             still = []
             for name, proc, log, handle, seen in running:
                 lines = Path(log).read_text(errors="replace").splitlines()
