@@ -14,11 +14,15 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
+from rdrop_fairseq.recipes.libreoffice_demo import Cores
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = ["bash", str(REPO / "scripts" / "demo.sh"), "--quick", "--epochs", "2",
@@ -187,3 +191,31 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     assert "[baseline s1] epoch 1: valid BLEU" in fresh.stdout
     assert not (out / "r_drop_seed1").exists() and (out / "mine.txt").is_file()
     assert json.loads((out / "settings.json").read_text())["epochs"] == 1
+
+
+def test_one_scoring_beside_the_trainings_more_on_the_cores_they_leave():
+    cores, release, started = Cores(2), threading.Event(), []
+
+    def scoring(i):
+        started.append(i)
+        assert release.wait(30)
+
+    def running_after_a_while(n):
+        deadline = time.monotonic() + 10
+        while len(started) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # time for one too many to start
+        return len(started)
+
+    cores.set_trainings(2)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(cores.score, scoring, i) for i in range(3)]
+        try:
+            assert running_after_a_while(1) == 1  # beside 2 trainings on 2 cores
+            cores.set_trainings(1)
+            assert running_after_a_while(1) == 1  # 1 training + 1 scoring use both cores
+            cores.set_trainings(0)
+            assert running_after_a_while(2) == 2  # the trainings are done: one per core
+        finally:
+            release.set()
+    assert [f.result() for f in futures] == [None] * 3 and sorted(started) == [0, 1, 2]
