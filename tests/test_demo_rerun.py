@@ -2,9 +2,11 @@
 trains, scores and plots every run, and it can be stopped and run again: a rerun reuses
 the prepared data and the finished runs, continues an interrupted run from its
 checkpoint, rebuilds a half-written data directory, refuses other settings in the same
---out, and ``--fresh`` starts over. Tiny settings: 200 training pairs, 2 epochs, the
-baseline and R-Drop for seeds 1 and 2 and the doubled-batch control for seed 1. One test:
-each step starts from what the one before left."""
+--out, and ``--fresh`` starts over. Tiny settings: 200 training pairs, 2 epochs, seeds 1 and 2. The Ctrl-C
+plans the default runs (the baseline and R-Drop for both seeds, the doubled-batch control
+for the first); the reruns train and score the baseline and R-Drop (``--runs`` is not a
+setting: a rerun may choose fewer runs), and ``--fresh`` trains the control alone, for 1
+epoch. One test: each step starts from what the one before left."""
 
 import json
 import os
@@ -14,15 +16,20 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
+from rdrop_fairseq.recipes.libreoffice_demo import Cores
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = ["bash", str(REPO / "scripts" / "demo.sh"), "--quick", "--epochs", "2",
         "--train-pairs", "200", "--eval-pairs", "20", "--seeds", "1", "2"]
+RUNS = ["--runs", "baseline", "R-Drop"]  # the reruns' (step 1 plans the default runs)
 
 
 def env(tmp_path):
@@ -74,6 +81,8 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
         if line.startswith("[demo] training"):
             break
     assert seen[-1].startswith("[demo] training"), "".join(seen)[-3000:]  # ended early
+    # the default runs: baseline and R-Drop for seeds 1 and 2, the control for seed 1 only
+    assert seen[-1].startswith("[demo] training 5 runs, 2 at a time, 2 epochs each"), seen[-1]
     # at once: the trainings start right after that line, and the whole --quick run can
     # end within seconds on a fast machine
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's process group
@@ -85,7 +94,7 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     assert not processes_mentioning(str(out)), "trainings left running"
 
     # 2. the rerun reuses the data, trains and scores every run, prints the table, plots
-    first = demo(tmp_path, out)
+    first = demo(tmp_path, out, *RUNS)
     assert first.returncode == 0, first.output[-4000:]
     assert "[demo] reusing the prepared data" in first.stdout
     assert "Please install tensorboardX" not in first.output  # setup.sh installs it
@@ -94,16 +103,13 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["size"]["pairs"] == 200
     runs = results["runs"]
-    assert list(runs) == ["baseline", "doubled batch", "R-Drop"]
+    assert list(runs) == ["baseline", "R-Drop"]  # in --runs order (R-Drop trained first)
     assert runs["baseline"]["seeds"] == runs["R-Drop"]["seeds"] == [1, 2]
-    assert runs["doubled batch"]["seeds"] == [1]  # the control runs for the first seed only
     for name, run in runs.items():
         assert all(0 <= b <= 100 for b in run["test_bleu"])
         assert all(len(c) == 2 for c in run["valid_curves"])
         for seed, bleu in zip(run["seeds"], run["test_bleu"]):  # streamed as each run ends
             assert f"[{name} s{seed}] test BLEU {bleu:.2f} (average of the last 2" in first.stdout
-    assert re.search(r"^\| doubled batch \| [\d.]+ ± – \(1 seed\) \| [\d.]+ \|$",
-                     first.stdout, re.M), first.stdout[-1500:]
     for run in ("baseline", "R-Drop"):
         assert re.search(rf"^\| {run} \| [\d.]+ ± [\d.]+ \| [\d.]+, [\d.]+ \|$", first.stdout,
                          re.M), first.stdout[-1500:]
@@ -124,15 +130,16 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     assert (out / "valid_bleu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     train_lines = (out / "data" / "tok" / "train.de").read_text().splitlines()
     assert 150 < len(train_lines) <= 200  # the subset, after length cleaning
+    assert "'max_tokens': 1024," in (out / "baseline_seed1.log").read_text()
 
     # 3. a second rerun trains nothing and prints the same table from the saved results
     checkpoints = {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint*.pt")}
     logs = {p: p.read_text() for p in out.glob("*.log")}
-    again = demo(tmp_path, out)
+    again = demo(tmp_path, out, *RUNS)
     assert again.returncode == 0, again.output[-4000:]
     assert "valid BLEU" not in again.stdout and "[demo] training" not in again.stdout
     assert "[baseline s1] finished earlier: test BLEU" in again.stdout
-    assert table(again.stdout) == table(first.stdout) and len(table(first.stdout)) == 4
+    assert table(again.stdout) == table(first.stdout) and len(table(first.stdout)) == 3
     assert json.loads((out / "results.json").read_text()) == results
     assert {p: p.stat().st_mtime_ns for p in out.glob("*/checkpoint*.pt")} == checkpoints
     assert {p: p.read_text() for p in out.glob("*.log")} == logs
@@ -151,7 +158,7 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     epoch1 = (base / "checkpoint1.pt").stat().st_mtime_ns
     (out / "data" / "done.json").unlink()
     shutil.rmtree(out / "data" / "bin")
-    cont = demo(tmp_path, out)
+    cont = demo(tmp_path, out, *RUNS)
     assert cont.returncode == 0, cont.output[-4000:]
     assert "(no done.json): preparing it again" in cont.stdout
     assert "[baseline s1] checkpoint_last.pt does not load" in cont.stdout
@@ -172,18 +179,53 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
         results["runs"]["baseline"]["valid_curves"][0][0])
 
     # 5. other settings in the same --out: a one-line error, nothing touched
-    other = demo(tmp_path, out, "--epochs", "3")
+    other = demo(tmp_path, out, *RUNS, "--epochs", "3")
     assert other.returncode == 1
     assert other.stderr.strip().splitlines()[-1] == (
         f"error: {out} holds a demo with other settings (epochs 2 -> 3); add --fresh to start "
         "over there, or choose another --out")
     assert (base / "result.json").is_file()
 
-    # 6. --fresh deletes the demo's outputs (and only those) and starts over
+    # 6. --fresh deletes the demo's outputs (and only those) and starts over; the
+    # doubled-batch control: the first seed only, twice the baseline's --max-tokens
     (out / "mine.txt").write_text("not the demo's")
-    fresh = demo(tmp_path, out, "--fresh", "--epochs", "1", "--runs", "baseline")
+    fresh = demo(tmp_path, out, "--fresh", "--epochs", "1", "--runs", "doubled batch")
     assert fresh.returncode == 0, fresh.output[-4000:]
     assert "finished earlier" not in fresh.stdout
-    assert "[baseline s1] epoch 1: valid BLEU" in fresh.stdout
-    assert not (out / "r_drop_seed1").exists() and (out / "mine.txt").is_file()
+    assert "[doubled batch s1] epoch 1: valid BLEU" in fresh.stdout
+    assert not (out / "r_drop_seed1").exists() and not (out / "baseline_seed1").exists()
+    assert (out / "mine.txt").is_file()
     assert json.loads((out / "settings.json").read_text())["epochs"] == 1
+    control = json.loads((out / "results.json").read_text())["runs"]
+    assert list(control) == ["doubled batch"] and control["doubled batch"]["seeds"] == [1]
+    assert re.search(r"^\| doubled batch \| [\d.]+ ± – \(1 seed\) \| [\d.]+ \|$",
+                     fresh.stdout, re.M), fresh.stdout[-1500:]
+    assert "'max_tokens': 2048," in (out / "doubled_batch_seed1.log").read_text()
+
+
+def test_one_scoring_beside_the_trainings_more_on_the_cores_they_leave():
+    cores, release, started = Cores(2), threading.Event(), []
+
+    def scoring(i):
+        started.append(i)
+        assert release.wait(30)
+
+    def running_after_a_while(n):
+        deadline = time.monotonic() + 10
+        while len(started) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # time for one too many to start
+        return len(started)
+
+    cores.set_trainings(2)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(cores.score, scoring, i) for i in range(3)]
+        try:
+            assert running_after_a_while(1) == 1  # beside 2 trainings on 2 cores
+            cores.set_trainings(1)
+            assert running_after_a_while(1) == 1  # 1 training + 1 scoring use both cores
+            cores.set_trainings(0)
+            assert running_after_a_while(2) == 2  # the trainings are done: one per core
+        finally:
+            release.set()
+    assert [f.result() for f in futures] == [None] * 3 and sorted(started) == [0, 1, 2]

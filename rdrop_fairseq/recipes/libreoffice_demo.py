@@ -34,6 +34,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -207,11 +208,39 @@ def epochs_done(name, save_dir):
     return None
 
 
-def run_all(jobs, parallel, on_done=None):
+class Cores:
+    """Who may use the cores: the trainings, ``parallel`` at a time, and the scorings of
+    finished runs. One scoring runs beside the trainings; more run at once only on the
+    cores that no training uses (the end of the demo, when the last trainings are done)."""
+
+    def __init__(self, cores):
+        self.cores, self.trainings, self.scorings = cores, 0, 0
+        self.changed = threading.Condition()
+
+    def set_trainings(self, n):
+        with self.changed:
+            self.trainings = n
+            self.changed.notify_all()
+
+    def score(self, fn, *args):
+        with self.changed:
+            self.changed.wait_for(lambda: self.scorings == 0
+                                  or self.scorings + self.trainings < self.cores)
+            self.scorings += 1
+        try:
+            return fn(*args)
+        finally:
+            with self.changed:
+                self.scorings -= 1
+                self.changed.notify_all()
+
+
+def run_all(jobs, parallel, on_done=None, cores=None):
     """Run (name, command, log) jobs, ``parallel`` at a time, printing validation lines;
-    ``on_done(name, log)`` after each job that succeeds. A job whose save dir (the log's
-    path without .log) holds a checkpoint continues from it, appending to its log. Leaving
-    early (an error, Ctrl-C) stops the trainings still going."""
+    ``on_done(name, log)`` after each job that succeeds; ``cores`` (a Cores) is told how
+    many run. A job whose save dir (the log's path without .log) holds a checkpoint
+    continues from it, appending to its log. Leaving early (an error, Ctrl-C) stops the
+    trainings still going."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     pending, running = list(jobs), []
     try:
@@ -234,7 +263,9 @@ def run_all(jobs, parallel, on_done=None):
                 running.append((name, subprocess.Popen(cmd, stdout=handle,
                                                        stderr=subprocess.STDOUT, env=env),
                                 log, handle, seen))
-            time.sleep(2)
+            if cores:
+                cores.set_trainings(len(running))
+            time.sleep(0.5)  # a job's end is seen (and the next started) within half a second
             still = []
             for name, proc, log, handle, seen in running:
                 lines = Path(log).read_text(errors="replace").splitlines()
@@ -257,6 +288,8 @@ def run_all(jobs, parallel, on_done=None):
                 proc.terminate()
                 proc.wait()
             handle.close()
+        if cores:
+            cores.set_trainings(0)
 
 
 def score_run(name, data, save_dir, size):
@@ -331,13 +364,15 @@ def train_and_score(a, size):
     if jobs:
         print(f"[demo] training {len(jobs)} runs, {a.parallel} at a time, "
               f"{size['epochs']} epochs each", flush=True)
-    # each run is scored as soon as it ends, on one thread beside the trainings still going:
-    # the core that the last training leaves idle does the scoring
+    # each run is scored as soon as it ends, one thread each: one scoring beside the
+    # trainings still going, more on the cores that the last trainings leave idle
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    with ThreadPoolExecutor(max_workers=1) as scorer:
+    cores = Cores(a.parallel)
+    with ThreadPoolExecutor(max_workers=a.parallel) as scorer:
         scored = {}
-        run_all(jobs, a.parallel, on_done=lambda name, log: scored.__setitem__(
-            name, scorer.submit(score_run, name, data, log.with_suffix(""), size)))
+        run_all(jobs, a.parallel, cores=cores, on_done=lambda name, log: scored.__setitem__(
+            name, scorer.submit(cores.score, score_run, name, data, log.with_suffix(""),
+                                size)))
         finished.update({name: future.result() for name, future in scored.items()})
     return planned, finished
 
