@@ -129,6 +129,17 @@ def valid_losses(log):
                                          Path(log).read_text(errors="replace"))]
 
 
+def wait_for_one(running, seconds):
+    """Sleep ``seconds``, or less: until one of the ``running`` jobs' processes ends (not
+    reaped: run_parallel's wait4 reads its CPU time)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if any(os.waitid(os.P_PID, job[1].pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+               for job in running):
+            return
+        time.sleep(0.1)
+
+
 def run_parallel(jobs, parallel):
     """Run (name, command, log) jobs ``parallel`` at a time, printing validation losses;
     each job's wall and CPU seconds (its processes' user + system time) go to LOG.time.json."""
@@ -145,7 +156,7 @@ def run_parallel(jobs, parallel):
                                         stderr=subprocess.STDOUT, env=one_thread_env(),
                                         start_new_session=True)
                 running.append([name, proc, log, handle, 0, time.time()])
-            time.sleep(5)
+            wait_for_one(running, 5)
             for job in list(running):
                 name, proc, log, handle, seen, start = job
                 losses = valid_losses(log)
