@@ -244,9 +244,11 @@ class AttendOutGenerator(nn.Module):
         h = h.float()
         key_pad = padding_mask[:, None, :]
         logits = []
-        for _ in range(self.num_layers):
+        for i in range(self.num_layers):
             scores = torch.bmm(self.q_proj(h) * self.scaling, self.k_proj(h).transpose(1, 2))
             logits.append(scores + self.drop_bias)
+            if i + 1 == self.num_layers:  # nothing reads the last layer's output
+                break
             weights = F.softmax(scores.masked_fill(key_pad, float("-inf")), dim=-1)
             h = self.layer_norm(h + self.out_proj(torch.bmm(weights, self.v_proj(h))))
         return torch.stack(logits, dim=1)
