@@ -242,13 +242,25 @@ class AttendOutGenerator(nn.Module):
     def forward(self, h, padding_mask):
         """Drop logits ``(B, layers, T, T)`` (float32) for inputs ``h`` ``(B, T, C)``."""
         h = h.float()
+        bsz, length, dim = h.shape
         key_pad = padding_mask[:, None, :]
+        # each projection as F.linear computes it on a contiguous (B, T, C) input (addmm on
+        # the flattened input), with its weight transposed once for all the layers that
+        # share it: the same numbers, fewer ops and autograd nodes
+        q, k, v, out = ((m.bias, m.weight.t())
+                        for m in (self.q_proj, self.k_proj, self.v_proj, self.out_proj))
+
+        def project(x, linear):
+            return torch.addmm(linear[0], x.reshape(-1, dim), linear[1]).view(bsz, length, dim)
+
         logits = []
-        for _ in range(self.num_layers):
-            scores = torch.bmm(self.q_proj(h) * self.scaling, self.k_proj(h).transpose(1, 2))
+        for i in range(self.num_layers):
+            scores = torch.bmm(project(h, q) * self.scaling, project(h, k).transpose(1, 2))
             logits.append(scores + self.drop_bias)
+            if i + 1 == self.num_layers:  # nothing reads the last layer's output
+                break
             weights = F.softmax(scores.masked_fill(key_pad, float("-inf")), dim=-1)
-            h = self.layer_norm(h + self.out_proj(torch.bmm(weights, self.v_proj(h))))
+            h = self.layer_norm(h + project(torch.bmm(weights, project(h, v)), out))
         return torch.stack(logits, dim=1)
 
     def configure(self, decision, prune_threshold):
@@ -261,7 +273,10 @@ class AttendOutGenerator(nn.Module):
         """``(B, layers)``: each layer's gate logit, the mean of its scores ``S_i`` over the
         valid units plus ``gate_bias`` (``logits`` are ``S_i + drop_bias``, from forward)."""
         valid = unit_mask(padding_mask).unsqueeze(1)
-        count = valid.sum((-1, -2)).clamp_min(1)
+        return self._gate_logits(logits, valid, valid.sum((-1, -2)).clamp_min(1))
+
+    def _gate_logits(self, logits, valid, count):
+        # valid: (B, 1, T, T) unit_mask; count: (B, 1) its valid units (at least 1)
         scores = (logits - self.drop_bias).masked_fill(~valid, 0.0)
         return scores.sum((-1, -2)) / count + self.gate_bias
 
@@ -333,7 +348,7 @@ class AttendOutGenerator(nn.Module):
         count = valid.sum((-1, -2)).clamp_min(1)  # (B, 1)
         rate = (probs * valid).sum((-1, -2)) / count  # (B, L)
         greedy_all = ((probs > 0.5) | ~valid).all(-1).all(-1).float()  # (B, L)
-        gate = self.gate_logits(logits, padding_mask).sigmoid()  # (B, L)
+        gate = self._gate_logits(logits, valid, count).sigmoid()  # (B, L)
         d = self.stats_decay
         self.drop_rate.mul_(d).add_(rate.mean(0), alpha=1 - d)
         self.greedy_all_dropped.mul_(d).add_(greedy_all.mean(0), alpha=1 - d)
@@ -389,7 +404,7 @@ def action_log_prob(logits, drop, padding_mask, gate_logits=None, forced=None):
     layer has ``log(1 - q)`` plus its units' mean log-probability. Layers in ``forced``
     (``(layers,)`` bool: pruned, dropped whatever the generator says) count 0.
     """
-    log_p = torch.where(drop, F.logsigmoid(logits), F.logsigmoid(-logits))
+    log_p = F.logsigmoid(torch.where(drop, logits, -logits))
     valid = unit_mask(padding_mask).unsqueeze(1)  # (B, 1, T, T)
     total = (log_p * valid).sum((-1, -2))  # (B, L)
     per_layer = total / valid.sum((-1, -2)).clamp_min(1)
