@@ -1,6 +1,7 @@
 """What the experiments share: the command line of a recipe script (scripts/*.sh), and
 options followed by hydra overrides."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,8 +10,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def recipe_script(name, stage, *args, **variables):
     """``env VAR=value ... bash scripts/NAME.sh STAGE ARGS``: a recipe script on the CPU
-    (GPUS=0), with this Python and the fairseq CLIs installed beside it."""
-    env = {"GPUS": 0, "PYTHON": sys.executable, "FAIRSEQ_BIN": Path(sys.executable).parent,
+    (GPUS=0), with this Python and the fairseq CLIs in $FAIRSEQ_BIN if set, else those
+    installed beside it."""
+    env = {"GPUS": 0, "PYTHON": sys.executable,
+           "FAIRSEQ_BIN": os.environ.get("FAIRSEQ_BIN") or Path(sys.executable).parent,
            **variables}
     return ["env", *(f"{k}={v}" for k, v in env.items()),
             "bash", str(REPO / "scripts" / f"{name}.sh"), stage, *map(str, args)]

@@ -5,7 +5,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from tests.warm_process import run_command
+from tests.warm_process import fairseq_bin, run_command
 
 REPO = Path(__file__).resolve().parents[1]
 DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a download fails at once
@@ -15,12 +15,16 @@ OFFLINE = {"http_proxy": DEAD_PROXY, "https_proxy": DEAD_PROXY, "HTTPS_PROXY": D
 
 def run(cmd, ok=True, env=None):
     """Run a recipe module, script or fairseq tool on one thread with the test environment's tools
-    on PATH (fairseq's tools start warm: tests/warm_process.py); ``proc.output`` is stdout +
-    stderr. With ``ok``, a failure fails the test."""
+    on PATH; ``proc.output`` is stdout + stderr. With ``ok``, a failure fails the test.
+    fairseq's tools start warm (tests/warm_process.py): run here, and as the scripts and
+    modules run them (FAIRSEQ_BIN; not in a dry run, whose printed commands name the real
+    tools, and not where ``env`` sets FAIRSEQ_BIN)."""
     # the test environment's tools first, then the system's (the recipe scripts use coreutils)
     path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
     full_env = {"PATH": path, "OMP_NUM_THREADS": "1",
                 "MKL_NUM_THREADS": "1", "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
+    if full_env.get("DRY_RUN") != "1":
+        full_env.setdefault("FAIRSEQ_BIN", fairseq_bin())
     proc = run_command(cmd, REPO, full_env, 300)  # the root: python -m experiments.*
     proc.output = proc.stdout + proc.stderr
     if ok:

@@ -25,6 +25,7 @@ import torch
 
 from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
 from rdrop_fairseq.recipes.libreoffice_demo import Cores
+from tests.warm_process import fairseq_bin
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = ["bash", str(REPO / "scripts" / "demo.sh"), "--quick", "--epochs", "2",
@@ -38,8 +39,11 @@ def env(tmp_path):
 
 
 def demo(tmp_path, out, *extra):
+    """A demo run to its end. fairseq's tools start warm (tests/warm_process.py): what is
+    about real processes (Ctrl-C, no training left running) is step 1's, which runs them
+    as a user's run does."""
     proc = subprocess.run([*DEMO, "--out", str(out), *extra], capture_output=True, text=True,
-                          timeout=600, env=env(tmp_path))
+                          timeout=600, env={**env(tmp_path), "FAIRSEQ_BIN": fairseq_bin()})
     proc.output = proc.stdout + proc.stderr
     return proc
 

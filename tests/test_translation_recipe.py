@@ -14,6 +14,7 @@ from sacremoses import MosesTokenizer
 from experiments.toy_data import write_corpus
 from rdrop_fairseq.recipes.evaluate_translation import decoding_for, metric_for, score
 from tests.recipe_helpers import script
+from tests.warm_process import fairseq_bin
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,8 @@ TINY_MODEL = [f"model.{side}_{k}={v}" for side in ("encoder", "decoder")
 
 
 def run(cmd, **kw):
-    env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1", "HOME": "/tmp"}
+    env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1", "HOME": "/tmp",
+           "FAIRSEQ_BIN": fairseq_bin()}  # fairseq's tools start warm
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600,
                           env=env, **kw)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -21,12 +21,19 @@ stay real subprocesses.
 
 import atexit
 import importlib
+import json
 import logging
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.reduction
 import os
+import shutil
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
@@ -44,6 +51,7 @@ FAIRSEQ_TOOLS = {
 # tasks/text_to_speech.py calls basicConfig too), as in a real `fairseq-train`
 _PRELOAD = ["fairseq_cli.train", *FAIRSEQ_TOOLS.values()]
 _context = None
+_bin = None
 
 
 def _warm_context():
@@ -63,16 +71,24 @@ def warm_module(cmd):
     return None
 
 
-def _child(module, argv, cwd, env, out_path, err_path):
-    """In the forked process: become the command, then exit with its code."""
+def _child(module, argv, cwd, env, streams):
+    """In the forked process: become the command, then exit with its code. ``streams``:
+    its standard input, output and error, each a path or a descriptor passed along
+    (``multiprocessing.reduction.DupFd``)."""
     code = 0
     try:
-        out = os.open(out_path, os.O_WRONLY)
-        err = os.open(err_path, os.O_WRONLY)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(out, 1)
-        os.dup2(err, 2)
+        for target, stream in enumerate(streams):
+            if isinstance(stream, str):
+                fd = os.open(stream, os.O_RDONLY if target == 0 else os.O_WRONLY)
+            else:
+                fd = stream.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+        # the start method a new interpreter has (a forked child inherits the server's
+        # forkserver: a tool's worker pool, e.g. fairseq-preprocess --workers 8, would start
+        # a server of its own and import fairseq again in every worker)
+        multiprocessing.set_start_method(None, force=True)
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
@@ -82,6 +98,8 @@ def _child(module, argv, cwd, env, out_path, err_path):
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         # the level fairseq_cli gives the root logger at import, read from this environment
         logging.getLogger().setLevel(env.get("LOGLEVEL", "INFO").upper())
+        if env.get("PYTHONUNBUFFERED"):  # read at the server's start, as OMP_NUM_THREADS
+            sys.stdout.reconfigure(line_buffering=True)
         sys.argv = argv
         importlib.import_module(module).cli_main()
     except SystemExit as exit_:
@@ -114,8 +132,8 @@ def run_warm(cmd, cwd, env, timeout):
         out_path.touch()
         err_path.touch()
         process = _warm_context().Process(
-            target=_child, args=(module, argv, str(cwd), dict(env), str(out_path),
-                                 str(err_path)))
+            target=_child, args=(module, argv, str(cwd), dict(env),
+                                 (os.devnull, str(out_path), str(err_path))))
         process.start()
         process.join(timeout)
         if process.is_alive():
@@ -135,3 +153,102 @@ def run_command(cmd, cwd, env, timeout, warm=True):
         return run_warm(cmd, cwd, env, timeout)
     return subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def fairseq_bin():
+    """A directory to give the commands a test runs as FAIRSEQ_BIN (the recipe scripts and
+    modules, the experiments): in it, fairseq's tools are stand-ins (tests/warm_client.py)
+    that send their command to this worker, which forks it warm and sends back its exit
+    code; fairseq's other console scripts are links to the real ones. One directory and
+    one listening thread per test worker, made at the first call.
+
+    What differs from a real process besides what ``run_warm`` says: the command is a child
+    of the warm server, not of the stand-in (its CPU time is not the stand-in's, and a
+    signal reaches it only through the stand-in, which forwards SIGINT, SIGTERM, SIGHUP and
+    SIGQUIT; if the stand-in dies, the command is killed). Tests that are about process
+    groups or command lines in /proc leave FAIRSEQ_BIN unset."""
+    global _bin
+    if _bin is None:
+        directory = Path(tempfile.mkdtemp(prefix="warm-bin-"))
+        atexit.register(shutil.rmtree, directory, True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(directory / "socket"))
+        listener.listen(16)
+        threading.Thread(target=_serve, args=(listener,), daemon=True).start()
+        client = Path(__file__).with_name("warm_client.py").read_text()
+        header = f"#!{sys.executable} -S\nSOCKET = {str(directory / 'socket')!r}\n"
+        for real in Path(sys.executable).parent.glob("fairseq-*"):
+            stand_in = directory / real.name
+            if real.name in FAIRSEQ_TOOLS:
+                stand_in.write_text(header + client)
+                stand_in.chmod(0o755)
+            else:  # e.g. fairseq-score: runs as itself
+                stand_in.symlink_to(real)
+        _bin = str(directory)
+    return _bin
+
+
+def _serve(listener):
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=_run_for_stand_in, args=(conn,), daemon=True).start()
+
+
+def _receive(conn, size):
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise EOFError("the stand-in went away")
+        data += chunk
+    return data
+
+
+class _PassedFd:
+    """A descriptor that goes to the forked child with the process itself: DupFd, called
+    while the process is being pickled for the fork server, sends it along with it."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _same, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _same(x):
+    return x
+
+
+def _run_for_stand_in(conn):
+    """One stand-in's command: fork it warm with the stand-in's descriptors, send its pid,
+    wait for it (or kill it if the stand-in dies first), send its exit code."""
+    with conn:
+        try:
+            header, fds, _, _ = socket.recv_fds(conn, 8, 3)
+            size = struct.unpack("!Q", header + _receive(conn, 8 - len(header)))[0]
+            request = json.loads(_receive(conn, size))
+        except (EOFError, OSError, ValueError):
+            return
+        try:
+            argv = request["argv"]
+            process = _warm_context().Process(
+                target=_child, args=(FAIRSEQ_TOOLS[Path(argv[0]).name], argv, request["cwd"],
+                                     request["env"],
+                                     [_PassedFd(fd) for fd in fds]))
+            process.start()
+        finally:
+            for fd in fds:  # the child has its copies
+                os.close(fd)
+        try:
+            conn.sendall(struct.pack("!i", process.pid))
+            # the stand-in sends nothing more: its end readable means it died
+            ready = multiprocessing.connection.wait([process.sentinel, conn])
+        except OSError:
+            ready = [conn]
+        if process.sentinel not in ready:
+            process.kill()
+        process.join()
+        try:
+            conn.sendall(struct.pack("!i", process.exitcode))
+        except OSError:
+            pass

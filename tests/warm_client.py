@@ -1,0 +1,46 @@
+"""A stand-in for one of fairseq's tools in the directory ``warm_process.fairseq_bin()``
+gives out (as FAIRSEQ_BIN): it hands its command line, working directory, environment and
+standard input, output and error to the test worker that wrote it, which forks the command
+warm (tests/warm_process.py), and it exits as the command does. A signal it gets (a
+Ctrl-C, a recipe stopping its jobs) goes on to the command.
+
+Written into each stand-in after a header that sets SOCKET; standard library only, run
+with ``python -S`` so that it starts in milliseconds."""
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+
+def _receive(conn, size):
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            sys.exit(f"{sys.argv[0]}: the test worker that runs this command went away")
+        data += chunk
+    return data
+
+
+def main(path):
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    request = json.dumps({"argv": sys.argv, "cwd": os.getcwd(),
+                          "env": dict(os.environ)}).encode()
+    socket.send_fds(conn, [struct.pack("!Q", len(request))], [0, 1, 2])
+    conn.sendall(request)
+    pid = struct.unpack("!i", _receive(conn, 4))[0]
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, lambda number, _: os.kill(pid, number))
+    code = struct.unpack("!i", _receive(conn, 4))[0]
+    if code < 0:  # the command died of a signal: so does its stand-in
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main(SOCKET)  # noqa: F821 - set by the header warm_process writes
