@@ -13,7 +13,8 @@ Steps, each through the recipe scripts (subprocesses; nothing here re-implements
    in WORK/runs/MODE-sSEED;
 3. scripts/wikitext103.sh evaluate (rdrop_fairseq.recipes.evaluate_lm) on the test and
    valid splits of each run's checkpoint_best.pt (the epoch of lowest validation loss),
-   tokens per sample 128, context window 64;
+   tokens per sample 128, context window 64 (the training's block, and half of it as
+   context, where an override sets task.tokens_per_sample);
 4. a markdown table: per run the best validation perplexity (fairseq's validation during
    training, independent 128-token blocks), the test perplexity (evaluate_lm.py), the
    epochs run and minutes (wall clock, and CPU time); mean and standard deviation per
@@ -49,7 +50,6 @@ SEEDS = (1, 2)
 MAX_EPOCH = 20  # a cap only: the runs stop 2 epochs after their best (epoch 9-14 measured)
 PATIENCE = 2
 TOKENS_PER_SAMPLE = 128
-CONTEXT_WINDOW = 64
 MAX_TOKENS = 2048
 MODEL = [f"model.decoder_{k}={v}" for k, v in (
     ("layers", 2), ("embed_dim", 192), ("input_dim", 192), ("output_dim", 192),
@@ -59,6 +59,18 @@ TRAINING = [f"task.tokens_per_sample={TOKENS_PER_SAMPLE}", "optimization.lr=[0.0
             "checkpoint.no_epoch_checkpoints=true", "common.log_interval=50"]
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 _VALID = re.compile(r"epoch (\d+) \| valid on 'valid' subset \| loss ([\d.]+) .*?\| ppl ([\d.]+)")
+
+
+def evaluation_sizes(overrides):
+    """fairseq-eval-lm's (tokens per sample, context window): the training's block
+    (task.tokens_per_sample, the last override if any) with half of it as context.
+    eval-lm skips blocks longer than the model's positions without a word, so a longer
+    block than the training's would score almost nothing."""
+    tokens = TOKENS_PER_SAMPLE
+    for override in overrides:
+        if override.startswith("task.tokens_per_sample="):
+            tokens = int(override.split("=", 1)[1])
+    return tokens, tokens // 2
 
 
 def run_logged(cmd, log_path):
@@ -104,16 +116,18 @@ def train_and_evaluate(a, data, mode, seed):
               "train_cpu_minutes": cpu, "valid_curve": [ppl for _, _, ppl in curve]}
     print(f"[check] {name}: {result['epochs']} epochs in {minutes:.1f} min, best valid ppl "
           f"{best[2]:.2f} (epoch {best[0]}); evaluating", flush=True)
+    tokens, context = evaluation_sizes(a.overrides)
     for subset in ("test", "valid"):
         out = run_dir / f"{subset}.json"
         code, _, _ = run_logged(recipe_script(
-            "wikitext103", "evaluate", "--subset", subset, "--tokens-per-sample",
-            TOKENS_PER_SAMPLE, "--context-window", CONTEXT_WINDOW, "--json", out, **paths),
+            "wikitext103", "evaluate", "--subset", subset, "--tokens-per-sample", tokens,
+            "--context-window", context, "--json", out, **paths),
             run_dir / f"{subset}.log")
         if code != 0:
             raise SystemExit(f"error: evaluating {name} on {subset} failed (exit code {code});"
                              f" see {run_dir / f'{subset}.log'}")
-        result[f"{subset}_ppl"] = json.loads(out.read_text())["perplexity"]
+        scored = json.loads(out.read_text())
+        result[f"{subset}_ppl"], result[f"{subset}_tokens"] = scored["perplexity"], scored["tokens"]
     print(f"[check] {name}: test ppl {result['test_ppl']:.2f}", flush=True)
     return result
 
@@ -195,8 +209,8 @@ def main(argv=None):
     report = {"source": str(a.source), "since": a.since, "seeds": a.seeds,
               "max_epoch": a.max_epoch, "patience": a.patience, "max_tokens": MAX_TOKENS,
               "model": MODEL, "training": TRAINING, "overrides": a.overrides,
-              "evaluation": {"tokens_per_sample": TOKENS_PER_SAMPLE,
-                             "context_window": CONTEXT_WINDOW},
+              "evaluation": dict(zip(("tokens_per_sample", "context_window"),
+                                     evaluation_sizes(a.overrides))),
               "data": (work / "data" / "SOURCE.md").read_text(),
               "runs": results, "summary": summary, "table": md,
               "total_minutes": (time.monotonic() - start) / 60}

@@ -240,3 +240,10 @@ def test_lm_check_end_to_end_table_and_report(sotu, tmp_path):
         assert std == pytest.approx(statistics.stdev(test))
         assert f"| **{mode}**, mean ± std of 2 |" in out
     assert report["overrides"][-1] == "task.tokens_per_sample=32"
+    # scored with the training's block (32, context 16): every token of each split once,
+    # each word plus one end-of-line per line
+    assert report["evaluation"] == {"tokens_per_sample": 32, "context_window": 16}
+    for subset in ("test", "valid"):
+        lines = (work / "data" / f"wiki.{subset}.tokens").read_text().splitlines()
+        words = sum(len(line.split()) + 1 for line in lines)
+        assert all(r[f"{subset}_tokens"] == words for r in runs), (words, runs)
