@@ -13,16 +13,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # first: pytest-xdist hands out whole files (--dist loadfile) in collection order, and a
 # long file collected last leaves the other workers idle at the end.
 SLOWEST_FIRST = [
-    "tests/test_demo_rerun.py",
     "tests/test_attendout_gate.py",
-    "experiments/tests/test_sotu.py",
     "tests/test_translation_recipe.py",
+    "experiments/tests/test_libreoffice_summaries.py",
+    "tests/test_demo_rerun.py",
+    "experiments/tests/test_sotu_glue.py",
     "tests/test_glue_recipe.py",
     "tests/test_attendout.py",
-    "experiments/tests/test_libreoffice_summaries.py",
     "tests/test_criteria.py",
-    "tests/test_lm_recipe.py",
     "tests/test_reliability.py",
+    "tests/test_distributed.py",
+    "tests/test_lm_recipe.py",
+    "tests/test_hot_path.py",
+    "experiments/tests/test_sotu.py",
 ]
 
 
