@@ -13,10 +13,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # first: pytest-xdist hands out whole files (--dist loadfile) in collection order, and a
 # long file collected last leaves the other workers idle at the end.
 SLOWEST_FIRST = [
+    "tests/test_demo_rerun.py",  # one test of 84 s: it ran last at d5c6e97
     "tests/test_attendout_gate.py",
     "tests/test_translation_recipe.py",
     "experiments/tests/test_libreoffice_summaries.py",
-    "tests/test_demo_rerun.py",
     "experiments/tests/test_sotu_glue.py",
     "tests/test_glue_recipe.py",
     "tests/test_attendout.py",
