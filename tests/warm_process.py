@@ -37,6 +37,8 @@ import threading
 import traceback
 from pathlib import Path
 
+from tests.warm_client import receive
+
 # console script -> module with cli_main (fairseq's entry_points.txt)
 FAIRSEQ_TOOLS = {
     "fairseq-preprocess": "fairseq_cli.preprocess",
@@ -194,16 +196,6 @@ def _serve(listener):
         threading.Thread(target=_run_for_stand_in, args=(conn,), daemon=True).start()
 
 
-def _receive(conn, size):
-    data = b""
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            raise EOFError("the stand-in went away")
-        data += chunk
-    return data
-
-
 class _PassedFd:
     """A descriptor that goes to the forked child with the process itself: DupFd, called
     while the process is being pickled for the fork server, sends it along with it."""
@@ -225,8 +217,8 @@ def _run_for_stand_in(conn):
     with conn:
         try:
             header, fds, _, _ = socket.recv_fds(conn, 8, 3)
-            size = struct.unpack("!Q", header + _receive(conn, 8 - len(header)))[0]
-            request = json.loads(_receive(conn, size))
+            size = struct.unpack("!Q", header + receive(conn, 8 - len(header)))[0]
+            request = json.loads(receive(conn, size))
         except (EOFError, OSError, ValueError):
             return
         try:

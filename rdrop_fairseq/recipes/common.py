@@ -3,6 +3,7 @@ command-line tools, one-line errors, and no half-made output on failure."""
 
 import argparse
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -29,6 +30,13 @@ def fairseq_cli(name):
         return found or name
     raise SystemExit(f"error: {name} is neither beside {sys.executable} nor on PATH: install "
                      "fairseq in this Python's environment, or set FAIRSEQ_BIN")
+
+
+def write_json(path, obj):
+    """Write ``obj`` to ``path`` atomically: an interruption leaves the old file or none."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 def dry_run():

@@ -43,7 +43,7 @@ import torch
 
 from ..checkpoint_compat import allow_fairseq_checkpoint_globals
 from .average_checkpoints import average, last_checkpoints
-from .common import PLUGIN, fairseq_cli
+from .common import PLUGIN, fairseq_cli, write_json
 from .evaluate_translation import generate_and_score
 from .prepare_translation import export_libreoffice
 
@@ -116,13 +116,6 @@ def check_settings(out, size):
         sys.exit(f"error: {out} holds demo outputs of unknown settings (no settings.json); "
                  "add --fresh to start over there, or choose another --out")
     write_json(path, size)
-
-
-def write_json(path, obj):
-    """Write ``obj`` to ``path`` atomically: an interruption leaves the old file or none."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def prepare(out, size):
