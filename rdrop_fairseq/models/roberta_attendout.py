@@ -27,7 +27,11 @@ from fairseq.models.roberta.model import (
 )
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
-from .attendout_layers import AttendOutGenerator, AttendOutTransformerEncoder, check_decision
+from .attendout_layers import (
+    AttendOutGenerator,
+    AttendOutTransformerEncoder,
+    check_search_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +130,13 @@ class RobertaAttendOutModel(RobertaModel):
         encoder = AttendOutRobertaEncoder(args, task.source_dictionary)
         if getattr(args, "attendout_inference_only", False):
             return cls(args, encoder)
-        defender = RobertaModel(args, RobertaEncoder(args, task.source_dictionary))
-        generator = AttendOutGenerator(args.encoder_embed_dim, args.encoder_layers,
-                                       args.attendout_init_drop)
+        # built without touching the global random state: the attacker (encoder, then the
+        # classification head fairseq registers next) draws what a plain roberta draws
+        # with the same --seed, so the arms of a comparison start from the same head
+        with torch.random.fork_rng(devices=[]):
+            defender = RobertaModel(args, AttendOutRobertaEncoder(args, task.source_dictionary))
+            generator = AttendOutGenerator(args.encoder_embed_dim, args.encoder_layers,
+                                           args.attendout_init_drop)
         model = cls(args, encoder, defender, generator)
         model.copy_attacker_to_defender()
         return model
@@ -156,7 +164,9 @@ class RobertaAttendOutModel(RobertaModel):
     def register_classification_head(self, name, num_classes=None, inner_dim=None, **kwargs):
         super().register_classification_head(name, num_classes, inner_dim, **kwargs)
         if self.defender is not None:
-            self.defender.register_classification_head(name, num_classes, inner_dim, **kwargs)
+            with torch.random.fork_rng(devices=[]):  # (overwritten below)
+                self.defender.register_classification_head(name, num_classes, inner_dim,
+                                                           **kwargs)
             self.defender.classification_heads[name].load_state_dict(
                 self.classification_heads[name].state_dict())
 
@@ -182,7 +192,16 @@ class RobertaAttendOutModel(RobertaModel):
             d.copy_(a)
 
     def set_pruned_layers(self, layers):
-        self.encoder.sentence_encoder.pruned_layers = tuple(layers)
+        """Run ``layers`` as a mean of V (Eq. 3), in the attacker and the defender."""
+        for net in (self, self.defender):
+            if net is not None:
+                net.encoder.sentence_encoder.pruned_layers = tuple(layers)
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        result = super().load_state_dict(state_dict, strict, model_cfg, args)
+        if self.generator is not None:  # the run's pruned layers, from the generator's buffer
+            self.set_pruned_layers(self.generator.pruned_layers())
+        return result
 
     @property
     def pruned_layers(self):
@@ -240,7 +259,7 @@ def attendout_base_architecture(args):
     check_static_pruning(args)
     if getattr(args, "task", None) == "sentence_prediction_attendout":
         # the task's options too, so that fairseq-train stops before it creates anything
-        check_decision(args.attendout_decision, args.attendout_prune_threshold)
+        check_search_options(args, args.encoder_layers, getattr(args, "max_update", 0))
 
 
 @register_model_architecture("roberta_attendout", "roberta_attendout_base")

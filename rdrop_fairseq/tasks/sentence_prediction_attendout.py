@@ -33,6 +33,7 @@ R-Drop's duplicated batch carries the same mask in both passes).
 
 import logging
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -42,11 +43,14 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.logging import metrics
 from fairseq.tasks import register_task
 from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
+from omegaconf import II
 
 from ..models.attendout_layers import (
-    check_decision,
+    SEARCH_DEFAULTS,
+    check_search_options,
     pack_mask,
-    reinforce_step,
+    pruning_update,
+    search_option,
     unpack_mask,
 )
 
@@ -103,6 +107,47 @@ class SentencePredictionAttendOutConfig(SentencePredictionConfig):
         metadata={"help": "also copy the attacker's Adam moments to the defender at D <- A "
                   "(default: the defender keeps its own)"},
     )
+    attendout_drop_price: float = field(
+        default=SEARCH_DEFAULTS["attendout_drop_price"],
+        metadata={"help": "reward per layer that ran as Eq. 3 for an example, in units of "
+                  "the task reward's running standard deviation, >= 0 (ours: the paper's "
+                  "reward never pays for dropping; 0 = the paper's reward). With "
+                  "--attendout-target-layers it is the price's starting value"},
+    )
+    attendout_target_layers: int = field(
+        default=SEARCH_DEFAULTS["attendout_target_layers"],
+        metadata={"help": "a budget: prune exactly K layers, 1..layers-1 (ours; 0 = no "
+                  "budget). The price rises by --attendout-price-step per pruning step for "
+                  "each layer still missing; no more than K are pruned; at the deadline the "
+                  "K layers with the highest gate statistic are; from then on the attacker "
+                  "trains as exported (no masks, no defender). Needs --max-update and "
+                  "--attendout-decision layer"},
+    )
+    attendout_deadline: float = field(
+        default=SEARCH_DEFAULTS["attendout_deadline"],
+        metadata={"help": "with --attendout-target-layers: the update, as a fraction of "
+                  "--max-update in (0, 1), by which the budget is filled"},
+    )
+    attendout_price_step: float = field(
+        default=SEARCH_DEFAULTS["attendout_price_step"],
+        metadata={"help": "with --attendout-target-layers: how much the price rises per "
+                  "pruning step for each layer missing from the budget (dual ascent), >= 0"},
+    )
+    attendout_gate_lr: float = field(
+        default=SEARCH_DEFAULTS["attendout_gate_lr"],
+        metadata={"help": "learning rate of the per-layer gate biases (plain SGD; a bias "
+                  "moves by this times the mean over the interval's examples of (reward - "
+                  "baseline) x d log P / d bias), >= 0 (ours)"},
+    )
+    attendout_reward_timing: ChoiceEnum(["interval", "step"]) = field(
+        default="interval",
+        metadata={"help": "when the rewards are measured: 'interval', Algorithm 1's "
+                  "evaluation of both networks on the cached batches after the interval "
+                  "(evaluation mode, the attacker with its masks); 'step', each batch's own "
+                  "training losses, at the step that drew its masks (r_t as the loss at "
+                  "training step t; no re-scoring)"},
+    )
+    max_update: int = II("optimization.max_update")
 
 
 @register_task("sentence_prediction_attendout", dataclass=SentencePredictionAttendOutConfig)
@@ -117,7 +162,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if not 0 <= cfg.attendout_baseline_decay < 1:
             raise ValueError("--attendout-baseline-decay must be in [0, 1), got "
                              f"{cfg.attendout_baseline_decay}")
-        check_decision(cfg.attendout_decision, cfg.attendout_prune_threshold)
+        check_search_options(cfg, None, getattr(cfg, "max_update", 0))
         if cfg.regression_target and cfg.attendout_reward == "accuracy":
             raise ValueError("--attendout-reward accuracy needs classification; regression "
                              "(--regression-target) is rewarded by the MSE: use loss")
@@ -125,10 +170,12 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
             raise ValueError("--attendout-baseline leave_one_out compares the examples of a "
                              "batch, which --attendout-reward-per-batch gives one reward: use "
                              "--attendout-baseline moving_average")
-        # (sample, its attacker mask as bits) of the applied updates since the last pruning
-        # step: B * layers * T^2 / 8 bytes each; _pending: those of the update in progress
+        # (sample, its attacker mask as bits, its rewards with the step timing, else None)
+        # of the applied updates since the last pruning step: B * layers * T^2 / 8 bytes
+        # each; _pending: those of the update in progress
         self._cache = []
         self._pending = []
+        self._cache_restored = False
 
     def build_criterion(self, cfg):
         criterion = super().build_criterion(cfg)
@@ -152,11 +199,36 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
             raise ValueError(
                 "sentence_prediction_attendout runs on one GPU for now: the generator's "
                 "rewards and gradients are not all-reduced across workers")
+        check_search_options(self.cfg, model.args.encoder_layers if hasattr(model, "args")
+                             else len(model.encoder.sentence_encoder.layers),
+                             getattr(self.cfg, "max_update", 0))
         model.generator.configure(self.cfg.attendout_decision, self.cfg.attendout_prune_threshold)
+        if self.budget and not model.generator.pruning_steps:
+            model.generator.price = search_option(self.cfg, "attendout_drop_price")
         return model
+
+    @property
+    def budget(self):
+        """K of --attendout-target-layers (0: no budget)."""
+        return search_option(self.cfg, "attendout_target_layers")
+
+    @property
+    def deadline_update(self):
+        """The update (1-based) by which the budget is filled."""
+        return max(1, round(search_option(self.cfg, "attendout_deadline")
+                            * getattr(self.cfg, "max_update", 0)))
+
+    def search_finished(self, model):
+        """The budget is filled: from now on the attacker trains as exported (its pruned
+        layers as Eq. 3, the others in full), without masks, generator or defender."""
+        return bool(self.budget) and len(model.pruned_layers) >= self.budget
 
     # -- training --------------------------------------------------------------------
     def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        if self.search_finished(model):
+            # trained as exported: fairseq's plain step (the pruned layers are the model's)
+            return super().train_step(sample, model, criterion, optimizer, update_num,
+                                      ignore_grad)
         model.train()
         model.set_num_updates(update_num)
         tokens = sample["net_input"]["src_tokens"]
@@ -164,14 +236,16 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         generator = model.generator
         with torch.no_grad():
             logits = self._drop_logits(model, tokens, padding_mask)
-            drop_rate = generator.update_statistics(logits, padding_mask)
+            drop_rate = generator.batch_drop_rate(logits, padding_mask)
             seed = self._next_seed(generator)
             drop = generator.sample(logits, padding_mask, seed)
         attacker = dict(sample, net_input=dict(sample["net_input"], attendout_drop=drop))
         defender = dict(sample, net_input=dict(sample["net_input"], attendout_role="defender"))
         amp = isinstance(optimizer, _amp_optimizer_types())
+        step_timing = self.cfg.attendout_reward_timing == "step"
+        heads = HeadOutputs(model, self.cfg.classification_head_name) if step_timing else None
         with torch.autograd.profiler.record_function("forward"):
-            with torch.autocast(tokens.device.type, enabled=amp):
+            with torch.autocast(tokens.device.type, enabled=amp), heads or nullcontext():
                 loss, sample_size, logging_output = criterion(model, attacker)
                 defender_loss, _, defender_log = criterion(model, defender)
         total = loss + defender_loss
@@ -182,7 +256,11 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if ignore_grad:
             total = total * 0
         else:
-            self._pending.append((sample, pack_mask(drop)))
+            rewards = None
+            if step_timing:  # r_t: this step's own training losses, attacker over defender
+                with torch.no_grad():
+                    rewards = self._reward_from_logits(model, sample, *heads.outputs)
+            self._pending.append((sample, pack_mask(drop), rewards))
         with torch.autograd.profiler.record_function("backward"):
             optimizer.backward(total)
         logging_output["defender_loss"] = defender_log["loss"]
@@ -196,21 +274,45 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         pending, self._pending = self._pending, []
         if scale is not None and optimizer.scaler.get_scale() < scale:
             return  # AMP skipped the update (overflow): fairseq retries it, same update_num
+        if self.search_finished(model):
+            return
         self._cache.extend(pending)
-        if (update_num + 1) % self.cfg.attendout_interval == 0:
-            self.pruning_step(model, optimizer)
+        model.generator.cached_batches = len(self._cache)
+        update = update_num + 1
+        # the deadline's step (or the first applied update after it: an fp16 overflow
+        # skips optimizer_step) fills the budget
+        deadline = bool(self.budget) and update >= self.deadline_update
+        if update % self.cfg.attendout_interval == 0 or deadline:
+            self.pruning_step(model, optimizer, update)
 
     # the cache in the checkpoint (fairseq's task hooks; not restored with --reset-dataloader)
     def get_checkpoint_dict(self):
-        cache = [(utils.apply_to_sample(lambda t: t.cpu(), sample), (bits.cpu(), shape))
-                 for sample, (bits, shape) in self._cache]
+        cache = [(utils.apply_to_sample(lambda t: t.cpu(), sample), (bits.cpu(), shape),
+                  None if rewards is None else rewards.cpu())
+                 for sample, (bits, shape), rewards in self._cache]
         return {type(self).__name__: {"attendout_cache": cache}}
 
     def set_checkpoint_dict(self, state):
-        self._cache = list(state.get("attendout_cache", []))
+        # (entries of checkpoints written before the step timing have no rewards)
+        self._cache = [tuple(entry) if len(entry) == 3 else (*entry, None)
+                       for entry in state.get("attendout_cache", [])]
+        self._cache_restored = True
         if self._cache:
             logger.info(f"AttendOut: {len(self._cache)} batches since the last pruning step "
                         "restored from the checkpoint")
+
+    def begin_epoch(self, epoch, model):
+        super().begin_epoch(epoch, model)
+        generator = getattr(model, "generator", None)
+        lost = getattr(generator, "cached_batches", 0)
+        if lost and not self._cache_restored and not self._cache:
+            # fairseq restores a task's state only with the data iterator
+            logger.warning(f"AttendOut: the checkpoint held {lost} batches since the last "
+                           "pruning step, not restored (--reset-dataloader): the next "
+                           "pruning step rewards only the batches trained from now on")
+        self._cache_restored = True  # said once
+        if generator is not None:
+            generator.cached_batches = len(self._cache)
 
     def _drop_logits(self, model, tokens, padding_mask):
         h0 = model.encoder.sentence_encoder.embed_without_dropout(tokens).detach()
@@ -220,40 +322,70 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         generator.masks_drawn += 1
         return (self.cfg.seed * 1_000_003 + generator.masks_drawn) % (2 ** 62)
 
-    def pruning_step(self, model, optimizer):
-        """Reward the generator for the cached batches (REINFORCE, Eq. 4), then D <- A."""
+    def pruning_step(self, model, optimizer, update=None):
+        """Reward the generator for the cached batches (REINFORCE, Eq. 4), decide which
+        layers are pruned, adapt the price to the budget, then D <- A."""
         generator = model.generator
         cache, self._cache = self._cache, []
+        generator.cached_batches = 0
+        statistic = generator.gate_prob if generator.decision == "layer" else (
+            generator.greedy_all_dropped)  # (no batch since the last step: unchanged)
+        force = bool(self.budget) and update is not None and update >= self.deadline_update
         if cache:
             model.eval()
-            generator.build_optimizer(self.cfg.attendout_generator_lr)
+            generator.build_optimizer(self.cfg.attendout_generator_lr,
+                                      search_option(self.cfg, "attendout_gate_lr"))
             device = generator.drop_bias.device
-            cache = [(utils.apply_to_sample(lambda t: t.to(device), sample), packed)
-                     for sample, packed in cache]  # (restored from a checkpoint: on the CPU)
+            cache = [(utils.apply_to_sample(lambda t: t.to(device), sample), packed,
+                      None if rewards is None else rewards.to(device))
+                     for sample, packed, rewards in cache]  # (restored: on the CPU)
+            pad = self.source_dictionary.pad()
+            task_rewards, dropped = [], []
             with torch.no_grad():
-                rewards = [self.rewards(model, sample, unpack_mask(*packed))
-                           for sample, packed in cache]
+                for sample, packed, rewards in cache:
+                    drop = unpack_mask(*packed)
+                    task_rewards.append(self.rewards(model, sample, drop) if rewards is None
+                                        else rewards)
+                    dropped.append(generator.layers_dropped(
+                        drop, sample["net_input"]["src_tokens"].eq(pad)))
 
-            def log_prob(t):
-                # log P(action) under the generator, whose parameters have not changed
-                # since the action; its input (the embeddings) may have, slightly
-                sample, packed = cache[t]
+            def batch(t):
+                # log P(action) is taken under the generator, whose parameters have not
+                # changed since the action; its input (the embeddings) may have, slightly
+                sample, packed, _ = cache[t]
                 tokens = sample["net_input"]["src_tokens"]
-                padding_mask = tokens.eq(self.source_dictionary.pad())
-                logits = self._drop_logits(model, tokens, padding_mask)
-                return generator.action_log_prob(logits, unpack_mask(*packed), padding_mask)
+                padding_mask = tokens.eq(pad)
+                return (self._drop_logits(model, tokens, padding_mask), unpack_mask(*packed),
+                        padding_mask)
 
-            generator.requires_grad_(True)
-            try:
-                reinforce_step(generator, rewards, log_prob, self.cfg.attendout_baseline_decay,
-                               leave_one_out=self.cfg.attendout_baseline == "leave_one_out")
-            finally:
-                generator.requires_grad_(False)
-            generator.pruning_steps += 1
+            statistic, now = pruning_update(
+                generator, task_rewards, dropped, batch,
+                baseline_decay=self.cfg.attendout_baseline_decay,
+                leave_one_out=self.cfg.attendout_baseline == "leave_one_out",
+                budget=self.budget, price_step=search_option(self.cfg, "attendout_price_step"),
+                force=force)
             model.train()
-            logger.info(f"AttendOut pruning step {generator.pruning_steps}: generator "
-                        f"rewarded on {len(cache)} cached batches, defender <- attacker")
-        self.copy_attacker_to_defender(model, optimizer)
+        else:  # (the deadline after a skipped update, say)
+            now = generator.decide(statistic, self.budget, force)
+        pruned = generator.pruned_layers()
+        if now:
+            model.set_pruned_layers(pruned)
+        if cache or now:
+            parts = [f"AttendOut pruning step {generator.pruning_steps}"
+                     + (f" (update {update})" if update is not None else "")
+                     + f": generator rewarded on {len(cache)} cached batches",
+                     "decision statistic per layer "
+                     + " ".join(f"{p:.3f}" for p in statistic.tolist()),
+                     f"price {generator.price:.3f}"]
+            if now:
+                parts.append(f"pruned now {','.join(map(str, now))}"
+                             + (" (deadline)" if force else ""))
+            parts.append(f"pruned {','.join(map(str, pruned)) or 'none'}")
+            parts.append("budget filled: the attacker trains as exported from now on"
+                         if self.search_finished(model) else "defender <- attacker")
+            logger.info("; ".join(parts))
+        if not self.search_finished(model):
+            self.copy_attacker_to_defender(model, optimizer)
 
     def rewards(self, model, sample, drop):
         """Per-example reward of the attacker with masks ``drop`` over the defender (positive
@@ -271,12 +403,29 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         logits, _ = model(**sample["net_input"], features_only=True,
                           classification_head_name=self.cfg.classification_head_name,
                           attendout_drop=drop, attendout_role=role)
-        targets = model.get_targets(sample, [logits]).view(-1)
+        return self._scores(logits, model.get_targets(sample, [logits]).view(-1))
+
+    def _scores(self, logits, targets):
         if self.cfg.regression_target:
             return -F.mse_loss(logits.view(-1).float(), targets.float(), reduction="none")
         if self.cfg.attendout_reward == "accuracy":
             return logits.argmax(-1).eq(targets).float()
         return -F.cross_entropy(logits.float(), targets, reduction="none")
+
+    def _reward_from_logits(self, model, sample, attacker_logits, defender_logits):
+        """The step timing's reward per example, from the training forward's outputs (both
+        passes' mean under R-Drop, whose batch is doubled)."""
+        targets = model.get_targets(sample, [attacker_logits]).view(-1)
+        passes = attacker_logits.size(0) // targets.numel()
+
+        def score(logits):
+            return self._scores(logits.detach(), targets.repeat(passes)).view(
+                passes, -1).mean(0)
+
+        reward = score(attacker_logits) - score(defender_logits)
+        if self.cfg.attendout_reward_per_batch:
+            reward = reward.mean().expand_as(reward)
+        return reward
 
     def copy_attacker_to_defender(self, model, optimizer):
         """D <- A in the model and, under --fp16/--bf16, in fairseq's fp32 master copies
@@ -299,14 +448,14 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if model.generator is None:  # an exported model: its pruning is fixed
             return super().valid_step(sample, model, criterion)
         model.eval()
-        pruned = model.generator.pruned_layers()
+        pruned = model.pruned_layers
         with torch.no_grad():
-            model.set_pruned_layers(pruned)
+            loss, sample_size, logging_output = criterion(model, sample)
+            model.set_pruned_layers(())
             try:
-                loss, sample_size, logging_output = criterion(model, sample)
+                _, _, unpruned = criterion(model, sample)
             finally:
-                model.set_pruned_layers(())
-            _, _, unpruned = criterion(model, sample)
+                model.set_pruned_layers(pruned)
         logging_output["loss_unpruned"] = unpruned["loss"]
         if "ncorrect" in unpruned:
             logging_output["ncorrect_unpruned"] = unpruned["ncorrect"]
@@ -416,3 +565,24 @@ def fp32_master_views(optimizer):
         views[id(p)] = masters.data[offset:offset + n].view_as(p)
         offset += n
     return views
+
+
+class HeadOutputs:
+    """Within ``with``: the classification head's outputs of the attacker and of the
+    defender (forward hooks), as ``outputs``: ``(attacker logits, defender logits)``,
+    copied (``B x classes``) before the criterion can reuse their buffer (R-Drop's loss
+    writes the logits' gradient into it)."""
+
+    def __init__(self, model, head):
+        self.heads = (model.classification_heads[head], model.defender.classification_heads[head])
+        self.outputs = [None, None]
+
+    def __enter__(self):
+        self.hooks = [head.register_forward_hook(
+            lambda module, args, out, i=i: self.outputs.__setitem__(i, out.detach().clone()))
+            for i, head in enumerate(self.heads)]
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()

@@ -1,0 +1,49 @@
+"""AttendOut's search under fixed rewards (experiments.attendout_controls): the generator
+alone, through the task's own pruning update. The full controls (5 seeds, widths 384 and
+768, 300 noise steps) are the experiment's run, recorded in docs/attendout.md; these are
+their short forms."""
+
+import pytest
+
+from experiments import attendout_controls as controls
+
+
+@pytest.mark.slow
+def test_costs_the_budget_goes_to_the_cheapest_layers():
+    """MiniLM's width and depth, the stand-in costs (layers 4 and 5 cheap), a budget of 2,
+    deadline at pruning step 50: the two cheapest layers, in 3 of 3 seeds, before the
+    deadline forces anything."""
+    costs = controls.STAND_IN_COSTS[6]
+    for seed in range(3):
+        result = controls.run(reward="costs", dim=384, layers=6, seed=seed, steps=50,
+                              costs=costs, budget=2, deadline_step=50, price=0.5)
+        assert sorted(result["pruned"]) == [4, 5], result
+        assert max(result["pruned"].values()) < 50, result
+
+
+@pytest.mark.slow
+def test_noise_without_a_price_prunes_nothing():
+    """A reward independent of the action, no price: 300 pruning steps prune nothing, in
+    either mode (a narrow generator, so that it is quick; the experiment runs 384 and
+    768)."""
+    for decision in ("layer", "unit"):
+        for seed in range(1):
+            result = controls.run(reward="noise", dim=64, layers=6, seed=seed, steps=300,
+                                  decision=decision)
+            assert result["pruned"] == {}, result
+            assert max(result["statistic"]) < 0.5
+
+
+def test_the_experiment_reports_each_control(tmp_path, capsys):
+    """The command line on a tiny setting: a table line per control, controls.json."""
+    assert controls.main(["--width", "32", "--seeds", "0", "--noise-steps", "3",
+                          "--deadline-step", "3", "--budget", "1",
+                          "--work", str(tmp_path)]) in (0, 1)
+    out = capsys.readouterr().out
+    assert out.count("width   32") == 3
+    import json
+
+    saved = json.loads((tmp_path / "controls.json").read_text())
+    assert [r["control"] for r in saved["results"]] == ["noise", "budget", "costs"]
+    budget = saved["results"][1]
+    assert all(len(r["pruned"]) == 1 for r in budget["runs"])  # the deadline fills it
