@@ -2,7 +2,9 @@
 # GLUE with R-Drop, the paper's table 3: RoBERTa large fine-tuned on one GPU per task with
 # the task's max updates, batch (sentences) and alpha (the paper's appendix table 1).
 # MODE=attendout: AttendOut (docs/attendout.md) on RoBERTa base, fairseq's roberta.base
-# settings per task (configs/roberta_glue_attendout.yaml); MODE=attendout_rdrop: both.
+# settings per task (configs/roberta_glue_attendout.yaml); MODE=attendout_rdrop: both;
+# TARGET_LAYERS=K: AttendOut's budget (prune exactly K of 12 layers, validated from the
+# deadline on, so that checkpoint_best.pt has them all).
 #
 #   TASK=RTE bash scripts/glue.sh [prepare|train|evaluate|all] [extra arguments]
 #   TASK=MNLI MODE=baseline SEED=2 bash scripts/glue.sh train
@@ -12,7 +14,8 @@
 # (GPT-2's encoder.json, vocab.bpe, dict.txt), ROBERTA_DIR (roberta.large: model.pt;
 # FROM_SCRATCH=1: none, a randomly initialised model). Environment: TASK (CoLA, MRPC, RTE,
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
-# doubled-batch, attendout, attendout_rdrop), ALPHA, SEED, MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ batches of
+# doubled-batch, attendout, attendout_rdrop), TARGET_LAYERS (AttendOut modes), ALPHA, SEED,
+# MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ batches of
 # batch/UPDATE_FREQ sentences), GPUS (0 or 1), CPU, BF16, FP16, FAIRSEQ_BIN, PYTHON, DRY_RUN.
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
 # of the Python module). A SAVE_DIR holding checkpoint_last.pt is resumed, not restarted.
@@ -98,6 +101,12 @@ train() {
     restore=(checkpoint.restore_file="$(realpath -m "$ROBERTA_DIR/model.pt")")
   fi
   [ -z "${SETTINGS[5]:-}" ] || task_args+=(criterion.${SETTINGS[5]}=true)
+  if [ -n "${TARGET_LAYERS:-}" ]; then
+    (( ATTENDOUT )) || die "TARGET_LAYERS is AttendOut's budget: set MODE=attendout"
+    # validated from the deadline (the task's default: 40 % of the updates) on
+    task_args+=(task.attendout_target_layers="$TARGET_LAYERS"
+                dataset.validate_after_updates=$(( max_update * 2 / 5 )))
+  fi
   # MNLI: valid = dev_matched, valid1 = dev_mismatched (quoted: hydra reads a,b as a sweep)
   [ "$TASK" != MNLI ] || task_args+=("dataset.valid_subset='valid,valid1'")
   run "$(fairseq_cli fairseq-hydra-train)" \

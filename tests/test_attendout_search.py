@@ -38,25 +38,30 @@ from tests.test_attendout_gate import padded
 # --------------------------------------------------------------------------- the reward
 
 
-def test_rewards_are_scaled_by_their_running_sd_and_priced_per_dropped_layer():
+def test_rewards_are_in_noise_sds_clipped_and_priced_per_dropped_layer():
+    """The scale is the sd of the rewards where no layer ran as Eq. 3 (a moving average of
+    each interval's variance); rewards are clipped to +-5 of it; the price is paid per
+    layer that ran as Eq. 3."""
     g = AttendOutGenerator(16, 3, decision="layer")
     g.price = 0.5
-    first = [torch.tensor([1.0, -1.0, 3.0]), torch.tensor([0.0, 2.0])]
-    dropped = [torch.tensor([0, 2, 1]), torch.tensor([3, 0])]
+    first = [torch.tensor([1.0, -1.0, -900.0]), torch.tensor([3.0, 2.0])]
+    dropped = [torch.tensor([0, 2, 1]), torch.tensor([0, 0])]
     shaped = shape_rewards(g, first, dropped, decay=0.9)
-    var1 = torch.tensor([1.0, -1.0, 3.0, 0.0, 2.0]).var(unbiased=False)  # 2.0
+    var1 = torch.tensor([1.0, 3.0, 2.0]).var(unbiased=False)  # the quiet examples only
     torch.testing.assert_close(g.reward_var, var1)
-    for r, n, s in zip(first, dropped, shaped):
-        torch.testing.assert_close(s, r / var1.sqrt() + 0.5 * n)
+    sd = var1.sqrt()
+    torch.testing.assert_close(shaped[0], torch.tensor([1.0 / sd, -1.0 / sd + 1.0, -5.0 + 0.5]))
+    torch.testing.assert_close(shaped[1], torch.tensor([3.0, 2.0]) / sd)
+    # fewer than 2 quiet examples: the variance of all of them
     second = [torch.tensor([4.0, 0.0])]
-    shaped = shape_rewards(g, second, [torch.tensor([1, 1])], decay=0.9)
+    shaped = shape_rewards(g, second, [torch.tensor([1, 0])], decay=0.9)
     var = 0.9 * var1 + 0.1 * torch.tensor(4.0)  # this interval's variance: 4
     torch.testing.assert_close(g.reward_var, var)
-    torch.testing.assert_close(shaped[0], second[0] / var.sqrt() + 0.5)
+    torch.testing.assert_close(shaped[0], torch.tensor([4.0 / var.sqrt() + 0.5, 0.0]))
     # a reward without variance is not scaled (no division by 0)
     h = AttendOutGenerator(16, 3)
     torch.testing.assert_close(shape_rewards(h, [torch.tensor([0.25])], [torch.tensor([2])],
-                                             0.9)[0], torch.tensor([0.25]))
+                                             0.9)[0], torch.tensor([0.25 + 2 * h.price]))
 
 
 def test_layers_dropped_counts_the_layers_that_ran_as_eq3_not_the_pruned_ones():
@@ -405,3 +410,27 @@ def test_fairseq_train_with_a_budget_then_export(data, tmp_path):
                                   "--output", str(out)]) == 0
     assert load(out)["cfg"]["model"].attendout_pruned_layers == str(pruned[0])
     assert math.isfinite(state["model"]["generator._extra_state"]["price"])
+
+
+def test_export_says_when_a_checkpoint_predates_the_filled_budget(data, tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from rdrop_fairseq.recipes import export_attendout
+
+    task, model, _, cfg = build(data, "--attendout-target-layers", "2", "--max-update", "10")
+    model.generator.pruned[2] = True  # 1 of the 2 layers when this checkpoint was saved
+    state = {"model": model.state_dict(), "cfg": OmegaConf.to_container(cfg),
+             "optimizer_history": [{"num_updates": 3}], "extra_state": {}}
+    state["cfg"]["model"] = cfg.model  # (a legacy model's Namespace, as fairseq saves it)
+    torch.save(state, tmp_path / "best.pt")
+    assert export_attendout.main(["--checkpoint", str(tmp_path / "best.pt"),
+                                  "--output", str(tmp_path / "out.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "1/3 layers pruned: 2" in out
+    assert "budget was 2 layers" in out and "(update 3)" in out
+    model.generator.pruned[1] = True  # filled: no note
+    state["model"] = model.state_dict()
+    torch.save(state, tmp_path / "last.pt")
+    export_attendout.main(["--checkpoint", str(tmp_path / "last.pt"),
+                           "--output", str(tmp_path / "out2.pt")])
+    assert "budget was" not in capsys.readouterr().out

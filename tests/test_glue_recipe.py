@@ -603,6 +603,18 @@ def test_attendout_modes_use_fairseqs_roberta_base_settings():
     assert config["task"]["attendout_generator_lr"] == 5e-05
     assert config["model"]["_name"] == "roberta_attendout_base"
     assert config["model"]["encoder_layers"] == 12 and config["optimizer"]["weight_decay"] == 0.1
+    assert config["task"]["attendout_target_layers"] == 0  # no budget unless asked for
+    # TARGET_LAYERS: the budget, validated from its deadline (40 % of RTE's 2036) on
+    o = overrides_of(dry_run("glue", "train", TASK="RTE", GPUS=1, MODE="attendout",
+                             TARGET_LAYERS=10)[0][-1])
+    assert o["task.attendout_target_layers"] == "10"
+    assert o["dataset.validate_after_updates"] == str(2036 * 2 // 5)
+
+
+def test_target_layers_without_attendout_is_refused():
+    proc = dry_run("glue", "train", TASK="RTE", GPUS=1, MODE="rdrop", TARGET_LAYERS=2,
+                   ok=False)[1]
+    assert proc.returncode != 0 and "TARGET_LAYERS is AttendOut's budget" in proc.stderr
 
 
 def test_attendout_mode_trains_exports_and_evaluates(glue, tmp_path):

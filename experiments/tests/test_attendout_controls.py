@@ -3,6 +3,8 @@ alone, through the task's own pruning update. The full controls (5 seeds, widths
 768, 300 noise steps) are the experiment's run, recorded in docs/attendout.md; these are
 their short forms."""
 
+import json
+
 import pytest
 
 from experiments import attendout_controls as controls
@@ -36,14 +38,17 @@ def test_noise_without_a_price_prunes_nothing():
 
 def test_the_experiment_reports_each_control(tmp_path, capsys):
     """The command line on a tiny setting: a table line per control, controls.json."""
+    trace = tmp_path / "result.json"  # a baseline run's result, its trace's costs
+    trace.write_text(json.dumps({"trace": {"costs": [3.0, 3.0, 3.0, 3.0, 0.0, 0.0]}}))
     assert controls.main(["--width", "32", "--seeds", "0", "--noise-steps", "3",
-                          "--deadline-step", "3", "--budget", "1",
-                          "--work", str(tmp_path)]) in (0, 1)
+                          "--deadline-step", "3", "--budget", "1", "--price-steps", "2",
+                          "--controls", "noise", "budget", "costs", "price",
+                          "--costs", str(trace), "--work", str(tmp_path)]) in (0, 1)
     out = capsys.readouterr().out
-    assert out.count("width   32") == 3
-    import json
-
+    assert out.count("width   32") == 4
     saved = json.loads((tmp_path / "controls.json").read_text())
-    assert [r["control"] for r in saved["results"]] == ["noise", "budget", "costs"]
+    assert [r["control"] for r in saved["results"]] == ["noise", "budget", "costs", "price"]
+    assert saved["results"][2]["costs"] == [3.0, 3.0, 3.0, 3.0, 0.0, 0.0]
+    assert "the 1 cheapest ([4])" in saved["results"][2]["expected"]
     budget = saved["results"][1]
     assert all(len(r["pruned"]) == 1 for r in budget["runs"])  # the deadline fills it

@@ -81,8 +81,11 @@ def masked_self_attention(attn, x, padding_mask, drop):
     """Multi-head self-attention of fairseq's ``MultiheadAttention`` ``attn`` with the
     AttendOut units ``drop`` (``(B, T, T)``, True = dropped) removed (Eq. 2).
 
-    Dropped and padding keys get probability 0. A query whose non-padding keys are all
-    dropped gets Eq. 3's uniform attention over them instead. Softmax in float32.
+    Dropped and padding keys get probability 0: one fused ``scaled_dot_product_attention``
+    with the kept units as its mask (and the attention dropout inside it), no
+    ``heads x T x T`` temporaries of ours. A query whose non-padding keys are all dropped
+    gets Eq. 3 instead, the mean of V over them, as a pruned layer computes it (without
+    attention dropout).
     """
     if attn.bias_k is not None or attn.add_zero_attn:
         raise ValueError("AttendOut does not support attention with bias_k/add_zero_attn")
@@ -92,24 +95,22 @@ def masked_self_attention(attn, x, padding_mask, drop):
     def split_heads(t):  # (T, B, C) -> (B, H, T, head_dim)
         return t.view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)
 
-    q = split_heads(attn.q_proj(x) * attn.scaling)
-    k = split_heads(attn.k_proj(x))
     v = split_heads(attn.v_proj(x))
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()  # (B, H, T, T)
-    removed = drop
-    if padding_mask is not None:
-        key_pad = padding_mask[:, None, :]  # (B, 1, T)
-        removed = removed | key_pad
-        all_removed = removed.all(-1, keepdim=True)  # (B, T, 1)
-        # Eq. 3 for those rows: equal scores, padding still excluded
-        removed = torch.where(all_removed, key_pad, removed)
+    if padding_mask is None:
+        keys = torch.ones(bsz, 1, tgt_len, dtype=torch.bool, device=x.device)
     else:
-        all_removed = removed.all(-1, keepdim=True)
-        removed = removed & ~all_removed
-    scores = scores.masked_fill(all_removed.unsqueeze(1), 0.0)
-    scores = scores.masked_fill(removed.unsqueeze(1), float("-inf"))
-    probs = attn.dropout_module(F.softmax(scores, dim=-1).type_as(q))
-    out = torch.matmul(probs, v)  # (B, H, T, head_dim)
+        keys = ~padding_mask[:, None, :]  # (B, 1, T)
+    kept = keys & ~drop
+    empty = ~kept.any(-1, keepdim=True)  # (B, T, 1): rows that lost every key
+    dropout = attn.dropout_module
+    p = dropout.p if (dropout.training or dropout.apply_during_inference) else 0.0
+    out = F.scaled_dot_product_attention(  # (an empty row attends to its keys: replaced)
+        split_heads(attn.q_proj(x)), split_heads(attn.k_proj(x)), v,
+        attn_mask=torch.where(empty, keys, kept).unsqueeze(1), dropout_p=p,
+        scale=attn.scaling)  # (B, H, T, head_dim)
+    weights = keys.to(v.dtype).unsqueeze(-1)  # (B, 1, T, 1)
+    mean = (v * weights).sum(2, keepdim=True) / weights.sum(2, keepdim=True).clamp_min(1)
+    out = torch.where(empty.unsqueeze(1), mean, out)
     out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
     return attn.out_proj(out)
 
@@ -548,19 +549,34 @@ def action_log_prob(logits, drop, padding_mask, gate_logits=None, forced=None):
     return per_layer.mean(1)
 
 
+REWARD_CLIP = 5.0  # task rewards beyond this many noise-sds are clipped to it
+
+
 def shape_rewards(generator, task_rewards, dropped, decay):
     """The rewards the generator is trained on: each task reward (attacker over defender)
-    divided by the task reward's running standard deviation (a moving average of each
-    interval's variance, decay ``decay``; 1 while it is 0), plus ``generator.price`` for
-    every layer that ran as Eq. 3 for the example (``dropped[t]``, ``(m,)`` counts), so
-    that the price is in units of the reward's standard deviation."""
-    flat = torch.cat([r.reshape(-1) for r in task_rewards]).float()
-    var = flat.var(unbiased=False)
+    in units of the task reward's *noise*, clipped to +-``REWARD_CLIP``, plus
+    ``generator.price`` for every layer that ran as Eq. 3 for the example (``dropped[t]``,
+    ``(m,)`` counts). The noise is the standard deviation of the rewards of the examples
+    where no layer ran as Eq. 3 (all examples if fewer than 2 are), a moving average of
+    each interval's variance (decay ``decay``; 1 while it is 0). So the price is in units
+    of the reward's noise, whatever one very costly layer does to the reward's spread, and
+    such a layer's losses cannot swamp the credit of the others."""
+    r = torch.cat([x.reshape(-1) for x in task_rewards]).float()
+    quiet = (torch.cat([n.reshape(-1) for n in dropped]) == 0).float()
+
+    def variance(weights):
+        count = weights.sum()
+        mean = (r * weights).sum() / count.clamp_min(1)
+        return ((r - mean) ** 2 * weights).sum() / count.clamp_min(1), count
+
+    var_quiet, count = variance(quiet)
+    var = torch.where(count >= 2, var_quiet, variance(torch.ones_like(r))[0])
     generator.reward_var = (var if generator.reward_var is None
                             else decay * generator.reward_var + (1 - decay) * var)
     sd = torch.where(generator.reward_var > 0, generator.reward_var.sqrt(),
                      torch.ones_like(generator.reward_var))
-    return [r.float() / sd + generator.price * n.float() for r, n in zip(task_rewards, dropped)]
+    return [(x.float() / sd).clamp(-REWARD_CLIP, REWARD_CLIP) + generator.price * n.float()
+            for x, n in zip(task_rewards, dropped)]
 
 
 def reinforce_step(generator, rewards, log_prob, baseline_decay, leave_one_out=False):

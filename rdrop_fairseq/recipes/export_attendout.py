@@ -79,6 +79,12 @@ def export(state, threshold=None):
     return exported, report, threshold
 
 
+def budget_of(state):
+    """The run's --attendout-target-layers (0: none, or a checkpoint without it)."""
+    task = (state.get("cfg") or {}).get("task") or {}
+    return int(_model_cfg_get(task, "attendout_target_layers", 0) or 0)
+
+
 def _model_cfg_get(model_cfg, name, default):
     if isinstance(model_cfg, argparse.Namespace):
         return getattr(model_cfg, name, default)
@@ -116,6 +122,14 @@ def main(argv=None):
         print(f"  layer {layer:2d}: {stat:6s}  {'pruned (mean of V)' if pruned else 'kept'}")
     pruned = [str(layer) for layer, _, p in report if p]
     print(f"{len(pruned)}/{len(report)} layers pruned: {','.join(pruned) or 'none'}")
+    budget = budget_of(state)
+    if budget and len(pruned) < budget:
+        print(f"note: the run's budget was {budget} layers (--attendout-target-layers), and "
+              f"this checkpoint was saved before it was filled (update "
+              f"{state.get('optimizer_history', [{}])[-1].get('num_updates', '?')}); export "
+              "checkpoint_last.pt, or validate from the deadline on (--validate-after-updates "
+              "set to --attendout-deadline x --max-update) so that checkpoint_best.pt has "
+              "them all")
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     tmp = args.output + ".tmp"
     torch.save(exported, tmp)
