@@ -4,7 +4,10 @@
   sentence prediction, side by side in one run, each method in a fresh subprocess (so that
   its peak memory is its own): ``baseline`` (sentence_prediction, plain roberta),
   ``rdrop`` (sentence_prediction_rdrop, alpha 1), ``attendout`` (sentence_prediction_attendout,
-  roberta_attendout; the pruning step amortised: T = --interval) and ``attendout_rdrop``.
+  roberta_attendout, searching: the pruning step amortised, T = --interval),
+  ``attendout_rdrop``, and ``attendout_budget``: a budget of one layer with the default
+  deadline (40 % of the timed updates), so that the mean covers the search and the updates
+  trained as exported after it.
   Median time per update and peak memory above the model's (CPU: the resident set's
   high-water mark with glibc's mmap threshold fixed, as bench_rdrop.py; CUDA:
   max_memory_allocated), as ratios to the baseline.
@@ -40,7 +43,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("baseline", "rdrop", "attendout", "attendout_rdrop")
+METHODS = ("baseline", "rdrop", "attendout", "attendout_rdrop", "attendout_budget")
 
 
 def mac_ratio(layers, pruned, length, dim, ffn=None):
@@ -73,6 +76,11 @@ def build(method, args, data):
             "--criterion", "sentence_prediction_rdrop" if rdrop else "sentence_prediction",
             *(["--rdrop-alpha", "1.0"] if rdrop else []),
             *(["--attendout-interval", str(args.interval)] if attendout else []),
+            # a budget of 1 layer whose deadline falls within the timed updates: the search,
+            # then training as exported (update 0 is the warm-up)
+            *(["--attendout-target-layers", "1", "--attendout-deadline", "0.4",
+               "--max-update", str(args.interval * args.intervals + 1)]
+              if method == "attendout_budget" else []),
             "--num-classes", "2", "--optimizer", "adam", "--lr", "1e-5"]
     if args.device == "cpu":
         argv.append("--cpu")
@@ -138,9 +146,10 @@ def measure_step(method, args):
         base = torch.cuda.memory_allocated()
     else:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    times = []
+    times, searching = [], 0
     n = args.interval * args.intervals  # whole pruning intervals: the pruning step amortised
     for i in range(1, n + 1):
+        searching += hasattr(task, "search_finished") and not task.search_finished(model)
         start = time.perf_counter()
         update(i)
         if cuda:
@@ -151,7 +160,8 @@ def measure_step(method, args):
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     return {"method": method, "seconds": statistics.mean(times),
-            "median_seconds": statistics.median(times), "peak_bytes": max(peak, 0)}
+            "median_seconds": statistics.median(times), "peak_bytes": max(peak, 0),
+            "searching_updates": searching, "updates": n}
 
 
 def measure_inference(args):
@@ -332,10 +342,12 @@ def markdown(steps, inference, args, pruning=()):
     if steps:
         out += [f"Training step (mean over {args.intervals} pruning intervals of T = "
                 f"{args.interval} updates):", "",
-                "| method | s / update | x baseline | peak memory (MiB) | x baseline |",
-                "|---|---|---|---|---|"]
+                "| method | s / update | x baseline | peak memory (MiB) | x baseline | "
+                "AttendOut searching |", "|---|---|---|---|---|---|"]
         out += [f"| {r['method']} | {r['seconds']:.3f} | {r['time_ratio']:.2f} | "
-                f"{r['peak_bytes'] / 2**20:.0f} | {r['memory_ratio']:.2f} |" for r in steps]
+                f"{r['peak_bytes'] / 2**20:.0f} | {r['memory_ratio']:.2f} | "
+                + (f"{r['searching_updates']}/{r['updates']} updates |"
+                   if r["method"].startswith("attendout") else "- |") for r in steps]
         out.append("")
     if inference:
         out += ["Inference (encoder + head, one batch, median):", "",

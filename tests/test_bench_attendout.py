@@ -83,8 +83,13 @@ def test_tiny_cpu_run_prints_and_writes_both_sections(tmp_path, monkeypatch, cap
     proc = types.SimpleNamespace(stdout=capsys.readouterr().out)
     result = json.loads(out.read_text())
     steps = result["step"]
-    assert [r["method"] for r in steps] == ["baseline", "rdrop", "attendout", "attendout_rdrop"]
+    assert [r["method"] for r in steps] == ["baseline", "rdrop", "attendout", "attendout_rdrop",
+                                            "attendout_budget"]
     assert steps[0]["time_ratio"] == 1.0
+    # AttendOut searched in every timed update; with a budget, the deadline ended it
+    searching = {r["method"]: r["searching_updates"] for r in steps}
+    assert searching["attendout"] == steps[2]["updates"] == 2
+    assert searching["attendout_budget"] < 2 and searching["baseline"] == 0
     assert all(r["seconds"] > 0 and r["time_ratio"] > 0 for r in steps)
     inference = result["inference"]
     assert [r["pruned"] for r in inference] == [0, 1, 2]  # {0, L/2, L-2, L-1, L} for L = 2
