@@ -5,7 +5,9 @@
   its peak memory is its own): ``baseline`` (sentence_prediction, plain roberta),
   ``rdrop`` (sentence_prediction_rdrop, alpha 1), ``attendout`` (sentence_prediction_attendout,
   roberta_attendout, searching: the pruning step amortised, T = --interval),
-  ``attendout_rdrop``, and ``attendout_budget``: a budget of one layer with the default
+  ``attendout_rdrop``, ``attendout_step`` (the rewards from the training step's own
+  losses: no re-scoring at the pruning step), and ``attendout_budget``: a budget of one
+  layer with the default
   deadline (40 % of the timed updates), so that the mean covers the search and the updates
   trained as exported after it.
   Median time per update and peak memory above the model's (CPU: the resident set's
@@ -43,7 +45,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("baseline", "rdrop", "attendout", "attendout_rdrop", "attendout_budget")
+METHODS = ("baseline", "rdrop", "attendout", "attendout_rdrop", "attendout_step",
+           "attendout_budget")
 
 
 def mac_ratio(layers, pruned, length, dim, ffn=None):
@@ -81,6 +84,7 @@ def build(method, args, data):
             *(["--attendout-target-layers", "1", "--attendout-deadline", "0.4",
                "--max-update", str(args.interval * args.intervals + 1)]
               if method == "attendout_budget" else []),
+            *(["--attendout-reward-timing", "step"] if method == "attendout_step" else []),
             "--num-classes", "2", "--optimizer", "adam", "--lr", "1e-5"]
     if args.device == "cpu":
         argv.append("--cpu")

@@ -84,7 +84,7 @@ def test_tiny_cpu_run_prints_and_writes_both_sections(tmp_path, monkeypatch, cap
     result = json.loads(out.read_text())
     steps = result["step"]
     assert [r["method"] for r in steps] == ["baseline", "rdrop", "attendout", "attendout_rdrop",
-                                            "attendout_budget"]
+                                            "attendout_step", "attendout_budget"]
     assert steps[0]["time_ratio"] == 1.0
     # AttendOut searched in every timed update; with a budget, the deadline ended it
     searching = {r["method"]: r["searching_updates"] for r in steps}
