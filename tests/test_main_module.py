@@ -102,5 +102,5 @@ def test_options_lists_every_option_with_the_default_fairseq_resolves(printed):
     assert "--attendout-static-prune-layers" in sections[model]
     assert "--attendout-interval" in sections[task]
     assert sections[task]["--attendout-decision"] == "layer"
-    assert "--rdrop-impl {auto,torch,triton}" in text
+    assert "--rdrop-impl {auto,torch,triton}" in text and "--rdrop-alpha FLOAT" in text
     assert "weight of the R-Drop consistency term" in text  # the help, from the config
