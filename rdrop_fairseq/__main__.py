@@ -12,7 +12,11 @@ USER_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def plugin_components():
     """``(kind, name, class)`` of everything the plugin registers with fairseq."""
-    import fairseq  # noqa: F401  (registers the plugin: rdrop_fairseq/__init__.py)
+    try:
+        import fairseq  # noqa: F401  (registers the plugin: rdrop_fairseq/__init__.py)
+    except ImportError as e:
+        sys.exit(f"error: --options reads fairseq's registries, and fairseq does not import "
+                 f"in this Python ({sys.executable}: {e}); install it (README, Compatibility)")
     from fairseq.models import MODEL_REGISTRY
     from fairseq.registry import REGISTRIES
     from fairseq.tasks import TASK_REGISTRY

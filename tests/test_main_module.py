@@ -54,6 +54,19 @@ def test_an_unknown_argument_is_refused():
     assert proc.returncode == 2 and "unrecognized arguments: --option" in proc.stderr
 
 
+def test_without_fairseq_the_directory_prints_and_options_is_one_line():
+    """``python -S``: no site-packages, so neither fairseq nor torch (the plain-PyTorch
+    install has no fairseq either)."""
+    def no_site(*args):
+        return subprocess.run([sys.executable, "-S", "-m", "rdrop_fairseq", *args],
+                              capture_output=True, text=True, timeout=60, cwd=REPO)
+
+    assert no_site().stdout == f"{REPO / 'rdrop_fairseq'}\n"
+    proc = no_site("--options")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "fairseq does not import in this Python" in proc.stderr
+
+
 def expected_defaults(criterion):
     """The plugin's options as fairseq-train resolves them for one criterion, with the
     AttendOut model and task: ``{option: value}``."""
