@@ -388,7 +388,9 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, help="override the number of epochs")
     p.add_argument("--train-pairs", type=int, help="override the training subset size")
     p.add_argument("--alpha", type=float, help="override R-Drop's alpha")
-    p.add_argument("--eval-pairs", type=int, help="use only the first N valid/test pairs")
+    p.add_argument("--eval-pairs", type=int,
+                   help=f"use only the first N valid/test pairs (at least {BATCH_MULTIPLE}: "
+                        "fairseq-train validates in batches of a multiple of that)")
     p.add_argument("--parallel", type=int, default=os.cpu_count() or 1,
                    help="runs at a time (one thread each)")
     a = p.parse_args(argv)
