@@ -499,6 +499,25 @@ def test_invalid_alpha_is_rejected_naming_the_flag(case, alpha):
         case.ours(alpha=alpha)
 
 
+@pytest.mark.parametrize("flag, value", [("--rdrop-alpha", "-1"), ("--rdrop-alpha", "nan"),
+                                         ("--rdrop-alpha", "inf"), ("--rdrop-chunk-mb", "-1")])
+@pytest.mark.parametrize("criterion", ["label_smoothed_cross_entropy_rdrop",
+                                       "sentence_prediction_rdrop"])
+def test_invalid_option_is_refused_while_fairseq_parses_it(criterion, flag, value, capsys):
+    """As fairseq-train parses its command line, before it makes the save dir: argparse's
+    one-line error naming the flag, not a traceback once training has set up."""
+    with pytest.raises(SystemExit) as stop:
+        parse(["--task", "translation", "--arch", "transformer_iwslt_de_en",
+               "--criterion", criterion, flag, value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}: must be a finite number >= 0, got {value}" in err, err
+    for good in ("0", "0.5", "5"):  # and good values still parse
+        _, cfg = parse(["--task", "translation", "--arch", "transformer_iwslt_de_en",
+                        "--criterion", criterion, flag, good])
+        assert getattr(cfg.criterion, flag[2:].replace("-", "_")) == float(good)
+
+
 @pytest.mark.parametrize("chunk_mb", [-1.0, float("nan"), float("inf")])
 def test_invalid_chunk_size_is_rejected_naming_the_flag(case, chunk_mb):
     case.build_model(dropout=0.1)

@@ -233,3 +233,24 @@ def test_one_scoring_beside_the_trainings_more_on_the_cores_they_leave():
         finally:
             release.set()
     assert [f.result() for f in futures] == [None] * 3 and sorted(started) == [0, 1, 2]
+
+
+def test_too_few_evaluation_pairs_are_refused_before_anything_is_made(tmp_path, capsys):
+    """fairseq-train validates in batches of a multiple of 8 sentences and makes none from
+    fewer: --eval-pairs 5 would prepare the data, then every run would fail on an empty
+    validation set. Refused first, saying how many pairs are left and what to change."""
+    from rdrop_fairseq.recipes import libreoffice_demo
+
+    out = tmp_path / "demo"
+    for pairs in ("5", "0"):
+        try:
+            libreoffice_demo.main(["--quick", "--eval-pairs", pairs, "--out", str(out)])
+        except SystemExit as stop:
+            assert stop.code == 2
+        else:
+            raise AssertionError(f"--eval-pairs {pairs} was accepted")
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"--eval-pairs {pairs} keeps {pairs} validation pairs" in err, err
+        assert "of at most 15 words a side" in err and "use --eval-pairs 8 or more" in err, err
+        assert not out.exists()

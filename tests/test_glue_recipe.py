@@ -285,12 +285,14 @@ def test_evaluate_command_line_errors(glue, tmp_path, capsys):
     base = ["--data", str(glue["bin"] / "RTE-bin"), "--glue-dir", str(glue["glue_dir"])]
     for argv, message in [
         (["WNLI", "--checkpoint", str(ckpt), *base], "unknown GLUE task 'WNLI'"),
-        (["RTE", "--checkpoint", str(tmp_path / "none.pt"), *base], "no checkpoint "),
+        (["RTE", "--checkpoint", str(tmp_path / "none.pt"), *base],
+         "none.pt not found: train first: TASK=RTE bash scripts/glue.sh train"),
         (["RTE", "--checkpoint", str(ckpt), *base], "--encoder-json (or --bpe-dir) is required"),
         (["RTE", "--checkpoint", str(ckpt), *base, "--bpe-dir", str(tmp_path)],
          "encoder.json does not exist"),
         (["RTE", "--checkpoint", str(ckpt), "--data", str(tmp_path), "--glue-dir",
-          str(glue["glue_dir"])], "is not a GLUE data-bin (no input0/dict.txt)"),
+          str(glue["glue_dir"])], "input0/dict.txt not found: run: TASK=RTE bash scripts/glue.sh "
+                                 "prepare"),
         (["RTE", "--checkpoint", str(ckpt), *base, "--bpe-dir", str(glue["bpe"]), "--split",
           "test"], "--split test: GLUE's test files have no labels"),
     ]:

@@ -390,4 +390,5 @@ def test_evaluate_exits_non_zero_when_the_output_has_no_perplexity(wikitext, tmp
     assert "error: cannot read the perplexity" in proc.stderr, proc.output[-3000:]
     proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.evaluate_lm", "--data", wikitext["bin"],
                 "--checkpoint", tmp_path / "missing.pt"], ok=False)
-    assert proc.returncode != 0 and "no checkpoint" in proc.stderr
+    assert proc.returncode != 0 and "missing.pt not found: train first: bash scripts/" \
+        "wikitext103.sh train" in proc.stderr, proc.stderr

@@ -9,6 +9,7 @@ imported: fairseq is installed but must not be among them.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -101,3 +102,23 @@ def test_the_fused_path_saves_the_logits_memory(example):
     assert peak["logits"] - peak["logits-in-place"] >= 0.75 * logits
     assert peak["logits-in-place"] - peak["fused-linear"] >= 0.5 * logits
     assert peak["fused-linear"] <= peak["logits"] - 1.25 * logits
+
+
+@pytest.mark.slow
+def test_the_docs_show_what_the_example_prints_with_its_defaults():
+    """docs/plain-pytorch.md's tables are the output of ``python -m
+    rdrop_fairseq.examples.plain_pytorch_lm`` with its defaults: the losses of the steps it
+    shows, and the peak memory of each path (about a minute of CPU)."""
+    proc = subprocess.run([sys.executable, "-m", "rdrop_fairseq.examples.plain_pytorch_lm",
+                           "--threads", "1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = {int(fields[0]): fields[1:] for fields in map(str.split, proc.stdout.splitlines())
+               if len(fields) == 4 and fields[0].isdigit()}
+    doc = (REPO / "docs" / "plain-pytorch.md").read_text()
+    steps = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", doc, re.M)
+    assert len(steps) >= 2 and {int(s[0]) for s in steps} <= set(printed), steps
+    for step, *losses in steps:
+        assert printed[int(step)] == losses, (step, printed[int(step)], losses)
+    peaks = re.findall(r"^\| `[^|]*\| ([\d.]+) \|$", doc, re.M)
+    assert len(peaks) == 3 and all(f" {mib} MiB  " in proc.stdout for mib in peaks), peaks

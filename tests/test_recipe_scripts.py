@@ -300,6 +300,46 @@ def test_missing_inputs_are_one_line_errors_that_make_nothing(tmp_path, name, st
     assert list(tmp_path.iterdir()) == []
 
 
+# evaluate module -> its arguments besides --data and --checkpoint, the data-bin's file it
+# looks for, and the commands that make the data-bin and the checkpoint
+EVALUATE = {
+    "evaluate_translation iwslt": ([], "dict.de.txt", "bash scripts/iwslt14.sh"),
+    "evaluate_translation wmt14": (["--src", "en", "--tgt", "fr"], "dict.en.txt",
+                                   "PAIR=en-fr bash scripts/wmt14.sh"),
+    "evaluate_lm": ([], "dict.txt", "bash scripts/wikitext103.sh"),
+    "evaluate_glue RTE": (["--glue-dir", "GLUE", "--bpe-dir", "BPE"], "input0/dict.txt",
+                          "TASK=RTE bash scripts/glue.sh"),
+    "evaluate_summarization": (["--raw", "RAW", "--encoder-json", "BPE/encoder.json",
+                                "--vocab-bpe", "BPE/vocab.bpe"], "dict.source.txt",
+                               "bash scripts/cnndm_bart.sh"),
+}
+
+
+@pytest.mark.parametrize("missing", ["data-bin", "checkpoint"])
+@pytest.mark.parametrize("module", list(EVALUATE))
+def test_evaluate_modules_name_a_missing_input_and_the_command_that_makes_it(tmp_path, module,
+                                                                             missing):
+    """Run by hand, not by their script: one line naming the missing path and the recipe
+    stage that makes it, not fairseq's traceback."""
+    args, data_file, recipe = EVALUATE[module]
+    for path in ["RAW/test.source", "RAW/test.target", "BPE/encoder.json", "BPE/vocab.bpe",
+                 "GLUE/RTE/dev.tsv", "bin/" + data_file, "checkpoint_best.pt"]:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).touch()
+    data, checkpoint = "bin", "checkpoint_best.pt"
+    if missing == "data-bin":
+        data, made_by = "MISSING", f"run: {recipe} prepare"
+    else:
+        checkpoint, made_by = "MISSING.pt", f"train first: {recipe} train"
+    name, *positional = module.split()
+    proc = subprocess.run([sys.executable, "-m", f"rdrop_fairseq.recipes.{name}", *positional,
+                           "--data", data, "--checkpoint", checkpoint, *args],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1 and "MISSING" in proc.stderr, proc.stderr
+    assert made_by in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("name, env, message", [
     ("iwslt14", {"ALPHA": "-1"}, "ALPHA must be a number >= 0"),
     ("wmt14", {"ALPHA": "nan"}, "ALPHA must be a number >= 0"),

@@ -188,6 +188,7 @@ def test_lower_cased_data_is_scored_case_insensitively(tmp_path, monkeypatch, ca
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "test.en").write_text("\n".join(refs) + "\n")
     (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "dict.fr.txt").touch()  # what evaluate checks a data-bin by
     (tmp_path / "model.pt").write_bytes(b"")
     args = ["iwslt", "--data", str(tmp_path / "bin"), "--src", "fr", "--tgt", "en",
             "--checkpoint", str(tmp_path / "model.pt"), "--cpu"]

@@ -9,6 +9,7 @@ when R-Drop is off, and adds the consistency metrics to the parent's. A new opti
 field of :class:`RDropConfig` plus its use here.
 """
 
+import argparse
 import logging
 import math
 import os
@@ -88,6 +89,45 @@ class RDropConfig(FairseqDataclass):
     cpu: bool = II("common.cpu")
 
 
+# the options checked as fairseq parses them, and what the refusal advises
+NON_NEGATIVE = {
+    "--rdrop-alpha": "; use 0 (with --rdrop-two-passes for the no-KL ablation) to turn the KL "
+                     "term off",
+    "--rdrop-chunk-mb": " (a number of MiB; 0 = automatic)",
+}
+
+
+def non_negative(value, advice=""):
+    """``value`` as a float, or ValueError if it is not a finite number >= 0 (NaN neither)."""
+    number = float(value)
+    if not number >= 0 or math.isinf(number):
+        raise ValueError(f"must be a finite number >= 0, got {value}{advice}")
+    return number
+
+
+def checked(flag, value):
+    """:func:`non_negative`, the error naming ``flag``."""
+    try:
+        return non_negative(value, NON_NEGATIVE[flag])
+    except ValueError as e:
+        raise ValueError(f"{flag} {e}") from None
+
+
+def checked_while_parsing(flag):
+    """An argparse ``type`` for ``flag``: argparse's one-line error, naming the flag, while
+    fairseq-train parses its options (before it makes the save dir)."""
+
+    def parse(value):
+        float(value)  # not a number: argparse's own "invalid float value"
+        try:
+            return non_negative(value, NON_NEGATIVE[flag])
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = "float"  # what argparse and --help call the type
+    return parse
+
+
 # the criteria whose loss --rdrop-fused-linear can compute from the features
 FUSED_LINEAR_PARENTS = ("label_smoothed_cross_entropy", "cross_entropy")
 
@@ -95,6 +135,16 @@ FUSED_LINEAR_PARENTS = ("label_smoothed_cross_entropy", "cross_entropy")
 class RDropMixin:
     """Shared R-Drop behaviour: call :meth:`init_rdrop_from` (or :meth:`init_rdrop`) from the
     criterion's ``__init__``, and implement :meth:`rdrop_forward`."""
+
+    @classmethod
+    def add_args(cls, parser):
+        """The options of the criterion's config, as fairseq adds them (parse_args_and_arch),
+        with --rdrop-alpha and --rdrop-chunk-mb checked as they are parsed."""
+        super().add_args(parser)
+        for flag in NON_NEGATIVE:
+            action = parser._option_string_actions.get(flag)
+            if action is not None:
+                action.type = checked_while_parsing(flag)
 
     def init_rdrop_from(self, cfg, parent_name):
         """:meth:`init_rdrop` with every :class:`RDropConfig` field of ``cfg``."""
@@ -106,18 +156,9 @@ class RDropMixin:
     def init_rdrop(self, parent_name, rdrop_alpha=0.0, rdrop_two_passes=False,
                    rdrop_chunk_mb=0.0, rdrop_impl="auto", rdrop_fused_linear=False,
                    rdrop_keep_logits=False, cpu=False):
-        alpha = float(rdrop_alpha)
-        if not alpha >= 0 or math.isinf(alpha):  # also rejects NaN
-            raise ValueError(
-                f"--rdrop-alpha must be a finite number >= 0, got {rdrop_alpha}; use 0 (with "
-                "--rdrop-two-passes for the no-KL ablation) to turn the KL term off"
-            )
-        chunk_mb = float(rdrop_chunk_mb)
-        if not chunk_mb >= 0 or math.isinf(chunk_mb):
-            raise ValueError(
-                f"--rdrop-chunk-mb must be a finite number of MiB >= 0 (0 = automatic), got "
-                f"{rdrop_chunk_mb}"
-            )
+        # checked again here for a config not parsed by fairseq-train (hydra, Python)
+        alpha = checked("--rdrop-alpha", rdrop_alpha)
+        chunk_mb = checked("--rdrop-chunk-mb", rdrop_chunk_mb)
         impl = str(rdrop_impl)
         if impl not in IMPLS:
             raise ValueError(f"--rdrop-impl must be one of {', '.join(IMPLS)}, got {impl!r}")

@@ -57,6 +57,14 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help: the options)\n")
 
 
+def need(parser, flag, path, advice):
+    """Stop, in one line (``parser.error``), unless the file ``path`` (``flag``'s) exists,
+    saying what makes it as the recipe scripts do (``run: bash scripts/iwslt14.sh prepare``,
+    ``train first: ...``)."""
+    if not Path(path).is_file():
+        parser.error(f"{flag}: {path} not found: {advice}")
+
+
 @contextlib.contextmanager
 def made_or_removed(out, *if_empty):
     """Run the block that fills the folder ``out``; if it fails, remove ``out`` when this run

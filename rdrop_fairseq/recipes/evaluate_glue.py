@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from . import prepare_glue
-from .common import ArgumentParser
+from .common import ArgumentParser, need
 
 METRICS = {
     "CoLA": ("mcc",),
@@ -210,11 +210,9 @@ def parse_args(argv):
     for name in ("checkpoint", "data", "glue_dir"):
         if not getattr(a, name):
             p.error(f"--{name.replace('_', '-')} (or ${name.upper()}) is required")
-    if not Path(a.checkpoint).is_file():
-        p.error(f"no checkpoint {a.checkpoint}")
-    if not (Path(a.data) / "input0" / "dict.txt").is_file():
-        p.error(f"{a.data} is not a GLUE data-bin (no input0/dict.txt): run "
-                f"rdrop_fairseq.recipes.prepare_glue {a.task}")
+    script = f"TASK={a.task} bash scripts/glue.sh"
+    need(p, "--data", Path(a.data) / "input0" / "dict.txt", f"run: {script} prepare")
+    need(p, "--checkpoint", a.checkpoint, f"train first: {script} train")
     for name, file in (("encoder_json", "encoder.json"), ("vocab_bpe", "vocab.bpe")):
         if not getattr(a, name) and a.bpe_dir:
             setattr(a, name, str(Path(a.bpe_dir) / file))

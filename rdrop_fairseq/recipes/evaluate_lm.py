@@ -49,7 +49,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .common import ArgumentParser, PLUGIN, dry_run, fairseq_cli, show
+from .common import ArgumentParser, PLUGIN, dry_run, fairseq_cli, need, show
 
 # fairseq-eval-lm's settings per protocol; None: not passed
 PROTOCOLS = {
@@ -167,10 +167,8 @@ def parse_args(argv):
     if not a.data or not a.checkpoint:
         p.error("--data and --checkpoint (or $DATA and $CHECKPOINT) are required")
     if not dry_run():  # a dry run prints the commands of inputs not made yet
-        if not (Path(a.data) / "dict.txt").is_file():
-            p.error(f"{a.data} is not a language-model data-bin (no dict.txt)")
-        if not Path(a.checkpoint).is_file():
-            p.error(f"no checkpoint {a.checkpoint}")
+        need(p, "--data", Path(a.data) / "dict.txt", "run: bash scripts/wikitext103.sh prepare")
+        need(p, "--checkpoint", a.checkpoint, "train first: bash scripts/wikitext103.sh train")
     for protocol in a.protocol:
         s = settings(a, protocol)
         if not 0 <= s["context_window"] < s["tokens_per_sample"]:

@@ -32,7 +32,7 @@ import os
 import sys
 from pathlib import Path
 
-from .common import ArgumentParser, PLUGIN
+from .common import ArgumentParser, PLUGIN, need
 
 DECODING = {"beam": 4, "lenpen": 2.0, "max_len_b": 140, "min_len": 55,
             "no_repeat_ngram_size": 3}
@@ -172,11 +172,13 @@ def parse_args(argv=None):
         a.target = a.target or str(Path(a.raw) / f"{a.split}.target")
     if not a.target:
         p.error("--target or --raw (or $RAW) is required: the reference summaries")
-    needed = [("--target", a.target)]
+    script = "bash scripts/cnndm_bart.sh"
+    text = "the CNN/DM text, {train,val,test}.{source,target} (docs/summarization.md)"
+    needed = [("--target", a.target, text)]
     if a.score_only:
         if not a.out:
             p.error("--score-only needs --out, the hypotheses to score")
-        needed.append(("--out", a.out))
+        needed.append(("--out", a.out, "the hypotheses to score, one a line"))
     else:
         for opt in ("checkpoint", "data", "source", "encoder_json", "vocab_bpe"):
             if not getattr(a, opt):
@@ -185,15 +187,16 @@ def parse_args(argv=None):
                             "vocab_bpe": "GPT2_VOCAB_BPE"}.get(opt, opt.upper())
                 p.error(f"{name} (or ${env_name}) is required"
                         + (" (or --raw)" if opt == "source" else ""))
-        needed += [("--checkpoint", a.checkpoint), ("--source", a.source),
-                   ("--encoder-json", a.encoder_json), ("--vocab-bpe", a.vocab_bpe),
-                   ("--data", str(Path(a.data) / "dict.source.txt"))]
+        needed += [("--data", Path(a.data) / "dict.source.txt", f"run: {script} prepare"),
+                   ("--checkpoint", a.checkpoint, f"train first: {script} train"),
+                   ("--source", a.source, text),
+                   ("--encoder-json", a.encoder_json, "GPT-2's (docs/summarization.md)"),
+                   ("--vocab-bpe", a.vocab_bpe, "GPT-2's (docs/summarization.md)")]
         if not a.out:
             checkpoint = Path(a.checkpoint)
             a.out = str(checkpoint.with_name(f"{checkpoint.stem}.{a.split}.hypo"))
-    for opt, path in needed:
-        if not Path(path).is_file():
-            p.error(f"{opt}: {path} not found")
+    for flag, path, advice in needed:
+        need(p, flag, path, advice)
     return a
 
 

@@ -39,7 +39,7 @@ from sacremoses import MosesDetokenizer
 
 import sacrebleu
 
-from .common import ArgumentParser, PLUGIN, dry_run, fairseq_cli, show
+from .common import ArgumentParser, PLUGIN, dry_run, fairseq_cli, need, show
 from .prepare_translation import PREPARED
 from .score_bleu import read_generate_output, tokenized_bleu
 
@@ -51,6 +51,13 @@ def decoding_for(recipe, tgt):
     if recipe == "wmt14" and tgt == "de":
         return {"beam": 4, "lenpen": 0.6}
     return {"beam": 5, "lenpen": 1.0}
+
+
+def recipe_script(recipe, src, tgt):
+    """The recipe script (and its variables) that makes this data-bin and checkpoint."""
+    if recipe == "wmt14":
+        return ("" if (src, tgt) == ("en", "de") else f"PAIR={src}-{tgt} ") + "bash scripts/wmt14.sh"
+    return ("" if (src, tgt) == ("de", "en") else f"SRC={src} TGT={tgt} ") + "bash scripts/iwslt14.sh"
 
 
 def metric_for(recipe, src, tgt, data=None):
@@ -158,8 +165,10 @@ def main(argv=None):
     p.add_argument("--out", help="where to write fairseq-generate's output")
     a = p.parse_args(argv)
     checkpoint = Path(a.checkpoint)
-    if not checkpoint.is_file() and not dry_run():
-        p.error(f"no checkpoint {checkpoint}")
+    if not dry_run():  # a dry run prints the commands of inputs not made yet
+        script = recipe_script(a.recipe, a.src, a.tgt)
+        need(p, "--data", Path(a.data) / f"dict.{a.src}.txt", f"run: {script} prepare")
+        need(p, "--checkpoint", checkpoint, f"train first: {script} train")
     decoding = decoding_for(a.recipe, a.tgt)
     beam = a.beam or decoding["beam"]
     lenpen = a.lenpen if a.lenpen is not None else decoding["lenpen"]

@@ -25,7 +25,6 @@ CPU budget of epochs, alpha 5 learns too slowly to finish (docs/results.md has t
     python -m rdrop_fairseq.recipes.libreoffice_demo --quick   # a smoke test: one seed
 """
 
-import argparse
 import json
 import os
 import pickle
@@ -43,9 +42,9 @@ import torch
 
 from ..checkpoint_compat import allow_fairseq_checkpoint_globals
 from .average_checkpoints import average, last_checkpoints
-from .common import PLUGIN, fairseq_cli, write_json
+from .common import PLUGIN, ArgumentParser, fairseq_cli, write_json
 from .evaluate_translation import generate_and_score
-from .prepare_translation import export_libreoffice
+from .prepare_translation import export_libreoffice, libreoffice_pairs
 
 RUNS = {
     "baseline": ["--criterion", "label_smoothed_cross_entropy"],
@@ -66,6 +65,9 @@ SIZES = {  # training pairs, valid/test pairs (None: all), pairs of at most max_
 
 
 DATA_KEYS = ("pairs", "valid_pairs", "test_pairs", "max_words", "merges")
+# fairseq-train's --required-batch-size-multiple (its default, the demo's): its validation
+# batches are multiples of this many sentences, and fewer pairs make none
+BATCH_MULTIPLE = 8
 
 
 def smoke_test(seeds, size):
@@ -371,7 +373,7 @@ def train_and_score(a, size):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="where everything goes (default: "
                    "work/libreoffice-demo, with --quick work/libreoffice-demo-quick)")
     p.add_argument("--seeds", type=int, nargs="+",
@@ -386,7 +388,9 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, help="override the number of epochs")
     p.add_argument("--train-pairs", type=int, help="override the training subset size")
     p.add_argument("--alpha", type=float, help="override R-Drop's alpha")
-    p.add_argument("--eval-pairs", type=int, help="use only the first N valid/test pairs")
+    p.add_argument("--eval-pairs", type=int,
+                   help=f"use only the first N valid/test pairs (at least {BATCH_MULTIPLE}: "
+                        "fairseq-train validates in batches of a multiple of that)")
     p.add_argument("--parallel", type=int, default=os.cpu_count() or 1,
                    help="runs at a time (one thread each)")
     a = p.parse_args(argv)
@@ -401,7 +405,13 @@ def main(argv=None):
         size["pairs"] = a.train_pairs
     if a.alpha is not None:
         size["alpha"] = a.alpha
-    if a.eval_pairs:
+    if a.eval_pairs is not None:
+        kept = max(0, min(a.eval_pairs, len(libreoffice_pairs("valid", size["max_words"]))))
+        if kept < BATCH_MULTIPLE:
+            p.error(f"--eval-pairs {a.eval_pairs} keeps {kept} validation pairs of at most "
+                    f"{size['max_words']} words a side, and fairseq-train validates in batches "
+                    f"of a multiple of {BATCH_MULTIPLE} sentences (fewer make none): use "
+                    f"--eval-pairs {BATCH_MULTIPLE} or more")
         size["valid_pairs"] = size["test_pairs"] = a.eval_pairs
     size["average"] = min(size["average"], size["epochs"])
     a.out.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,15 @@ PREPARED = "prepared.json"  # in the data-bin: {"lowercase": ...}, read by evalu
 MOSES_DOES_NOT_SEGMENT = ("zh", "ja", "ko", "th")
 
 
+def libreoffice_pairs(split, max_words=None):
+    """``[(de, en), ...]`` of the committed LibreOffice help corpus's ``split``; with
+    ``max_words``, only the pairs of at most that many words a side."""
+    pairs = read_pairs(REPO / "data" / "libreoffice-help-de-en" / f"{split}.tsv.xz")
+    if max_words:
+        pairs = [p for p in pairs if max(len(p[0].split()), len(p[1].split())) <= max_words]
+    return pairs
+
+
 def export_libreoffice(raw, train_pairs=None, valid_pairs=None, test_pairs=None, seed=0,
                        max_words=None):
     """Write the committed LibreOffice help corpus as RAW/{split}.{de,en}.
@@ -69,9 +78,7 @@ def export_libreoffice(raw, train_pairs=None, valid_pairs=None, test_pairs=None,
     keep = {"valid": valid_pairs, "test": test_pairs}
     raw.mkdir(parents=True, exist_ok=True)
     for split in SPLITS:
-        pairs = read_pairs(REPO / "data" / "libreoffice-help-de-en" / f"{split}.tsv.xz")
-        if max_words:
-            pairs = [p for p in pairs if max(len(p[0].split()), len(p[1].split())) <= max_words]
+        pairs = libreoffice_pairs(split, max_words)
         if split == "train" and train_pairs:
             pairs = random.Random(seed).sample(pairs, min(train_pairs, len(pairs)))
         elif keep.get(split):
