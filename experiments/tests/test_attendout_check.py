@@ -333,3 +333,28 @@ def test_layer_costs_are_the_loss_of_each_pruned_layer(data):
         assert trace["costs_nats"][i] == pytest.approx(expected.mean().item(), rel=1e-4, abs=1e-7)
         assert trace["costs"][i] == pytest.approx(
             expected.mean().item() / trace["reward_sd_nats"], rel=1e-4, abs=1e-6)
+
+
+def test_summary_only_reads_the_finished_runs_and_trains_nothing(tmp_path, monkeypatch):
+    """--summary-only summarizes the result.json files of the asked arms and seeds that
+    exist (an unfinished run, without one, is left out), and refuses when there are none;
+    it never reaches the encoder or fairseq-train."""
+    monkeypatch.setattr(attendout_check, "get_encoder", lambda root: pytest.fail("trained"))
+    runs = tmp_path / "spam" / "runs"
+    for mode, seed, accuracy in (("baseline", 1, 80.0), ("baseline", 2, 84.0),
+                                 ("static2", 1, 78.0)):
+        (runs / f"{mode}_seed{seed}").mkdir(parents=True)
+        (runs / f"{mode}_seed{seed}" / "result.json").write_text(json.dumps(
+            {"mode": mode, "seed": seed, "accuracy": accuracy, "f1": accuracy - 1,
+             "pruned_layers": [], "seconds_per_update": 1.0,
+             **({"pruned_layers": [4, 5], "seconds_full": 2.0, "seconds_pruned": 1.6,
+                 "mac_ratio": 1.13, "accuracy_unpruned": 60.0, "pruning": []}
+                if mode == "static2" else {})}))
+    (runs / "static2_seed2" / "ckpt").mkdir(parents=True)  # under way: no result yet
+    argv = ["--task", "spam", "--work", str(tmp_path), "--plot", "", "--summary-only"]
+    assert attendout_check.main(argv + ["--modes", "baseline", "static2"]) == 0
+    summary = json.loads((tmp_path / "spam" / "summary.json").read_text())["summary"]
+    assert summary["baseline"]["accuracy"] == pytest.approx((82.0, 8 ** 0.5))
+    assert summary["static2"]["accuracy"] == [78.0, 0.0]
+    with pytest.raises(SystemExit):
+        attendout_check.main(argv + ["--modes", "attendout_k2"])
