@@ -350,7 +350,7 @@ class _FusedRDrop(torch.autograd.Function):
 
 
 def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, out=None, *,
-                pcoef, h, eps_i, c1):
+                pcoef, h, eps_i, c1, fp16_max=_FP16_TARGET_MAX):
     """Per row pair ``(x, y) = (pairs[0, i], pairs[1, i])``, with ``la, lb`` their
     log-probabilities (log_softmax of logits, or the inputs), ``pa, pb`` the
     probabilities and ``d = la - lb``:
@@ -370,6 +370,8 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
     gradient of 0 (their stats are left to the caller to mask). Without ``need_grad`` the
     gradient is neither computed nor allocated (``grad`` is None); with ``out`` (which may
     be ``pairs`` itself: a chunk is read before its gradient is written) it goes there.
+    A float16 gradient is scaled per row pair so that its largest entry is near
+    ``fp16_max`` (stats row 4 undoes it).
     """
     dtype = _compute_dtype(pairs)
     n = pairs.size(1)
@@ -427,7 +429,7 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
         if c1:
             lp.scatter_(-1, t, -c1, reduce="add")
         if scale_fp16:
-            _scale_for_fp16(lp, inv)
+            _scale_for_fp16(lp, inv, fp16_max)
         # excluded rows: 0, whatever they held (where's out must have its compute dtype)
         if g.dtype == dtype:
             torch.where(k, lp, zero, out=g)
@@ -440,12 +442,12 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
     return grad, stats
 
 
-def _scale_for_fp16(g, inv_scale):
+def _scale_for_fp16(g, inv_scale, target_max=_FP16_TARGET_MAX):
     """Scale each row pair of ``g`` (2, r, V) in place by a power of two so that its largest
-    entry is near :data:`_FP16_TARGET_MAX`; write the inverse scales into ``inv_scale``."""
+    entry is near ``target_max``; write the inverse scales into ``inv_scale``."""
     # max |g| as max(max g, -min g): no chunk-sized temporary beyond the chunk budget
     biggest = torch.maximum(g.amax(dim=(0, 2)), g.amin(dim=(0, 2)).neg_())
     biggest.clamp_min_(torch.finfo(torch.float32).tiny)
-    exponent = torch.floor(torch.log2(_FP16_TARGET_MAX / biggest)).clamp_(-24.0, 24.0)
+    exponent = torch.floor(torch.log2(target_max / biggest)).clamp_(-24.0, 24.0)
     g.mul_(torch.exp2(exponent).view(1, -1, 1))
     torch.exp2(-exponent, out=inv_scale)

@@ -246,7 +246,8 @@ class RDropMixin:
             out = fused_linear_rdrop_loss(
                 net_output[0], projection.weight, target, bias=projection.bias,
                 alpha=self.rdrop_alpha, epsilon=epsilon, ignore_index=self.padding_idx,
-                keep=keep, chunk_mb=self.rdrop_chunk_mb, predictions=predicted)
+                keep=keep, chunk_mb=self.rdrop_chunk_mb, predictions=predicted,
+                impl=self.rdrop_impl)
         else:
             if uses_stock_log_softmax(model):
                 scores, log_probs = net_output[0], False
