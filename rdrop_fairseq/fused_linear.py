@@ -44,6 +44,7 @@ from .core import (
     _kept_rows,
     _resolve_impl,
     _rows_torch,
+    _target_ids,
     check_alpha_epsilon,
     chunk_rows_for,
     combine_rows,
@@ -103,7 +104,7 @@ def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, e
     pairs = features.reshape(2, -1, features.size(-1))
     n, vocab = pairs.size(1), weight.size(0)
     kept = _kept_rows(target, ignore_index, keep, n, pairs)
-    target = torch.where(kept, target.reshape(-1), 0)  # excluded rows: any id
+    target = _target_ids(target, kept, impl)
     rows = chunk_pairs(vocab, features, chunk_mb, impl)
     with torch.autocast(features.device.type, enabled=False):
         total, loss, nll, kl = _FusedLinearRDrop.apply(
@@ -208,11 +209,12 @@ class _FusedLinearRDrop(torch.autograd.Function):
                                    out=torch.empty_like(block)).view(2 * r, width)
                     alpha_w = 1.0 / FP16_TARGET_MAX
                 _add_product(grad_wb, g.t(), xs, alpha_w, zero)
-        total, loss, nll, kl = combine_rows(stats, kept, coef, alpha, True)
+        total, loss, nll, kl = combine_rows(stats, kept, coef, alpha, True, impl)
         ctx.grads = (grad_rows, grad_wb)
         ctx.layout = (need_x, need_w, need_b, dim, pairs.dtype, weight.dtype,
                       None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(loss, nll, kl)
+        ctx.set_materialize_grads(False)  # no zeros made for the logged outputs' gradients
         return total, loss, nll, kl
 
     @staticmethod
