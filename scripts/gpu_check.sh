@@ -59,9 +59,9 @@ SCALE=$([ "$FULL" = 1 ] && echo 4 || echo 1)
 # box STAGE DEFAULT: the stage's time box in seconds: T_STAGE, else DEFAULT (x4 with FULL=1)
 box() { local var=T_$1; echo $(( ${!var:-$2} * SCALE )); }
 
-[ "$DRY" = 1 ] || mkdir -p "$WORK"
 STAGES=$WORK/stages.tsv
-[ "$DRY" = 1 ] || : >"$STAGES"
+# WORK made, its list of stages emptied: once, before the first stage
+start_work() { [ "$DRY" = 1 ] || { mkdir -p "$WORK" && : >"$STAGES"; }; }
 
 # stage NAME SECONDS COMMAND...: run COMMAND time-boxed, its output in WORK/NAME.log, its
 # status (ok, failed (code), timed out) and time in WORK/stages.tsv
@@ -80,6 +80,7 @@ stage() {
 
 if [ -n "${WHEELS:-}" ]; then
   GPU_VENV=$(realpath -m "${GPU_VENV:-$WORK/venv}")
+  start_work
   stage setup "$(box SETUP 60)" bash "$REPO/scripts/lib/gpu_venv.sh" "$GPU_VENV" \
     "$(realpath -m "$WHEELS")" "$PYTHON" || die "set-up failed: $(tail -n 3 "$WORK/setup.log")"
   PYTHON=$GPU_VENV/bin/python
@@ -96,6 +97,7 @@ elif ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"
 else
   DEVICE=cuda
 fi
+[ -n "${WHEELS:-}" ] || start_work
 [ "$DRY" = 1 ] || mkdir -p "$OUT"
 
 # the stages' commands, at the GPU's sizes or CPU_SMOKE's toy ones

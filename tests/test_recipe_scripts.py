@@ -454,6 +454,7 @@ def test_gpu_check_cpu_smoke_runs_every_stage_time_boxed_into_eight_files(tmp_pa
 
 
 def test_gpu_check_without_cuda_says_so_and_fails(tmp_path):
-    proc = script("gpu_check", ok=False, OUT=tmp_path / "out", PYTHON=sys.executable)
+    proc = script("gpu_check", ok=False, OUT=tmp_path / "out", WORK=tmp_path / "work",
+                  PYTHON=sys.executable)
     assert proc.returncode == 1 and "no CUDA device" in proc.stderr
-    assert proc.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    assert proc.stderr.count("\n") == 1 and list(tmp_path.iterdir()) == []
