@@ -533,3 +533,32 @@ def test_fairseq_train_with_fused_linear_matches_the_unfused_run(translation_dat
                  for line in proc.stdout.splitlines() if "| train_inner |" in line]
         logs.append([(x["loss"], x["nll_loss"], x["rdrop_kl"], x["accuracy"]) for x in lines])
     assert len(logs[0]) == 6 and logs[0] == logs[1], logs
+
+
+def test_precision_script_compares_both_paths_against_float64():
+    """benchmarks/fused_linear_precision.py (docs/benchmarks.md's precision table), at a
+    size with 4 chunks of row pairs (256 pairs, 64 per chunk at V = 20,000): one line per
+    dtype and path, each gradient's error finite and within the dtype's rounding, the
+    fused path's within 2x the unfused one's (the features' gradient is the same product
+    in both)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "benchmarks/fused_linear_precision.py", "--cases",
+                           "256x20000x16"], cwd=repo, capture_output=True, text=True,
+                          timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+                                            "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines()[1:]:
+        dtype, *_, path, features, weight, bias = line.split()
+        rows[dtype, path] = [float(e.split("/")[0]) for e in (features, weight, bias)]
+    assert set(rows) == {(d, p) for d in ("bfloat16", "float16")
+                         for p in ("fused-linear", "unfused")}, proc.stdout
+    for dtype, bound in (("bfloat16", 2e-2), ("float16", 2e-3)):
+        fused, unfused = rows[dtype, "fused-linear"], rows[dtype, "unfused"]
+        assert all(0 < e < bound for e in fused + unfused), (dtype, fused, unfused)
+        assert fused[0] == pytest.approx(unfused[0], rel=0.05), (dtype, fused, unfused)
+        assert all(f <= 2 * u for f, u in zip(fused, unfused)), (dtype, fused, unfused)
