@@ -10,12 +10,17 @@ R-Drop implementation must compute at least that. Methods:
 * ``ours-torch-separate`` (``loss`` only): ``ours-torch`` with the logits' gradient in a
   buffer of its own (``grad_in_scores=False``) where the criterion writes it into the
   logits (only with ``--projection``: leaf logits are never written);
-* ``ours-fused-linear`` (``loss`` only, with ``--projection``): ``--rdrop-fused-linear``,
-  the loss from the features and the projection's weight without the logits
-  (``rdrop_fairseq.fused_linear``).
+* ``ours-fused-linear`` / ``ours-fused-linear-torch`` (``loss`` only, with
+  ``--projection``): ``--rdrop-fused-linear``, the loss from the features and the
+  projection's weight without the logits (``rdrop_fairseq.fused_linear``), with
+  ``impl="auto"`` (the Triton kernel on CUDA, torch ops elsewhere) / ``impl="torch"``;
+  ``--fused-chunk-mb MB ...`` adds ``ours-fused-linear:MB`` rows (``--rdrop-chunk-mb MB``,
+  the row pairs per chunk in the table).
 
-Two measurements, each method in a fresh subprocess (so that its peak memory is its own),
-all methods of a row in one run, so that the ratios compare like with like:
+Two measurements, all methods of a row in one run, so that the ratios compare like with
+like; on CPU each method in a fresh subprocess (so that its peak memory is its own), on
+CUDA all in this process by default (``--one-process``: the allocator's peak is reset per
+method, and fairseq is imported once):
 
 * ``loss``: logits -> loss -> backward, N target tokens per pass (~20 % padding); with
   ``--projection D`` the logits are made in every method by an output projection from
@@ -41,6 +46,7 @@ Usage::
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -61,7 +67,7 @@ CRITERION_ARGS = {
                     "--rdrop-alpha", str(ALPHA), "--rdrop-impl", "triton"],
 }
 # loss-mode variants of a criterion (not criterion options)
-LOSS_ONLY_METHODS = ("ours-torch-separate", "ours-fused-linear")
+LOSS_ONLY_METHODS = ("ours-torch-separate", "ours-fused-linear", "ours-fused-linear-torch")
 # a transformer_iwslt_de_en-shaped model small enough for CPU tests of a step's op count
 TINY_ARCH = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "16",
              "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "16",
@@ -113,7 +119,9 @@ def build_step(method, vocab, tokens, arch="transformer_iwslt_de_en", arch_args=
 
 
 def count_step_ops(model, criterion, sample):
-    """Ops and syncing ops of one step (after a first one: the criteria check once)."""
+    """Ops and syncing ops of one step (after a first one: the criteria check once). A
+    launch of the Triton kernel counts as one op, also where Triton's interpreter runs it
+    as torch ops (CPU, TRITON_INTERPRET=1)."""
     from rdrop_fairseq.opcount import count_ops
 
     def step():
@@ -122,9 +130,31 @@ def count_step_ops(model, criterion, sample):
         loss.backward()
 
     step()
-    with count_ops() as ops:
+    with count_ops() as ops, _kernel_launch_as_one_op(ops):
         step()
     return ops
+
+
+@contextlib.contextmanager
+def _kernel_launch_as_one_op(ops):
+    module = sys.modules.get("rdrop_fairseq.triton_kernel")
+    kernel = getattr(module, "_rdrop_rows_kernel", None)
+    if kernel is None:
+        yield
+        return
+
+    class OneLaunch:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                with ops.as_one("triton._rdrop_rows_kernel"):
+                    return kernel[grid](*args, **kwargs)
+            return launch
+
+    module._rdrop_rows_kernel = OneLaunch()
+    try:
+        yield
+    finally:
+        module._rdrop_rows_kernel = kernel
 
 
 def _loss_fn(method, dtype, impl=None):
@@ -204,6 +234,15 @@ class _Clock:
         return statistics.median(times[1:] or times)
 
 
+def fused_variant(method):
+    """``(impl, chunk_mb)`` of ``ours-fused-linear[-torch][:MB]`` (auto: triton on CUDA;
+    MB: an explicit --rdrop-chunk-mb, 0 automatic), None for the other methods."""
+    name, _, mb = method.partition(":")
+    if name not in ("ours-fused-linear", "ours-fused-linear-torch"):
+        return None
+    return ("torch" if name.endswith("-torch") else "auto"), float(mb or 0)
+
+
 def run_loss(method, vocab, tokens, repeats, device="cpu", dtype="float32", projection=0):
     import torch
     import torch.nn.functional as F
@@ -213,22 +252,30 @@ def run_loss(method, vocab, tokens, repeats, device="cpu", dtype="float32", proj
     torch.manual_seed(0)
     target = torch.randint(2, vocab, (tokens,), device=device)
     target[torch.rand(tokens, device=device) < 0.2] = PAD  # ~20 % padding
-    if method == "ours-fused-linear" and not projection:
-        raise ValueError("ours-fused-linear needs --projection D (it starts from features)")
-    fn = None if method == "ours-fused-linear" else _loss_fn(method, dtype)
+    fused = fused_variant(method)
+    if fused and not projection:
+        raise ValueError(f"{method} needs --projection D (it starts from features)")
+    fn = None if fused else _loss_fn(method, dtype)
+    extra = {}
     if projection:  # logits made (and counted) in every method, as a decoder makes them
         features = torch.randn(2 * tokens, projection, device=device,
                                dtype=getattr(torch, dtype), requires_grad=True)
         weight = (torch.randn(vocab, projection, device=device) / projection ** 0.5).to(
             getattr(torch, dtype)).requires_grad_(True)
 
-        if method == "ours-fused-linear":
-            from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
+        if fused:
+            from rdrop_fairseq.core import _resolve_impl
+            from rdrop_fairseq.fused_linear import chunk_pairs, fused_linear_rdrop_loss
+
+            impl, chunk_mb = fused
+            extra["pairs"] = chunk_pairs(vocab, features, chunk_mb,
+                                         _resolve_impl(impl, features))
 
             def step():
                 features.grad = weight.grad = None
                 fused_linear_rdrop_loss(features, weight, target, alpha=ALPHA, epsilon=EPS,
-                                        ignore_index=PAD).total.backward()
+                                        ignore_index=PAD, chunk_mb=chunk_mb,
+                                        impl=impl).total.backward()
         else:
             def step():
                 features.grad = weight.grad = None
@@ -245,14 +292,16 @@ def run_loss(method, vocab, tokens, repeats, device="cpu", dtype="float32", proj
     clock.reset_peak()
     seconds = clock.time(step, repeats)
     peak = clock.peak_mib()
-    with count_ops() as ops:
+    with count_ops() as ops, _kernel_launch_as_one_op(ops):
         step()
-    return {"time_s": seconds, "peak_mib": peak, "ops": ops.total, "syncs": ops.n_syncing}
+    return {"time_s": seconds, "peak_mib": peak, "ops": ops.total, "syncs": ops.n_syncing,
+            **extra}
 
 
-def run_step(method, vocab, tokens, repeats, arch, device="cpu", dtype="float32"):
+def run_step(method, vocab, tokens, repeats, arch, device="cpu", dtype="float32", tiny=False,
+             profile=False):
     model, criterion, sample = build_step(method, vocab, tokens, arch, device=device,
-                                          dtype=dtype)
+                                          dtype=dtype, arch_args=TINY_ARCH if tiny else ())
 
     def step():
         model.zero_grad(set_to_none=False)
@@ -265,7 +314,38 @@ def run_step(method, vocab, tokens, repeats, arch, device="cpu", dtype="float32"
     seconds = clock.time(step, repeats)
     peak = clock.peak_mib()
     ops = count_step_ops(model, criterion, sample)
-    return {"time_s": seconds, "peak_mib": peak, "ops": ops.total, "syncs": ops.n_syncing}
+    result = {"time_s": seconds, "peak_mib": peak, "ops": ops.total, "syncs": ops.n_syncing}
+    if profile:
+        result["profile"] = profile_steps(step, device)
+    return result
+
+
+PROFILE_STEPS = 3
+
+
+def profile_steps(step, device):
+    """torch.profiler over PROFILE_STEPS steps: per step, the GPU's busy time (the sum of
+    the kernels' own times), the kernel launches, and the ops that take most of it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILE_STEPS):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / PROFILE_STEPS / 1e3
+    launches = sum(e.count for e in events if "LaunchKernel" in e.key) / PROFILE_STEPS
+    host = sum(e.self_cpu_time_total for e in events) / PROFILE_STEPS / 1e3
+    head = f"per step ({PROFILE_STEPS} profiled): host {host:.1f} ms (the ops' own CPU time)"
+    if cuda:
+        head += f", GPU busy {busy:.1f} ms (the kernels' own time), {launches:.0f} launches"
+    table = events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                         row_limit=25)
+    return head + "\n" + table
 
 
 def _rss_kib(field):
@@ -274,6 +354,31 @@ def _rss_kib(field):
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _measure(kind, one_process, **kw):
+    return _in_this_process(kind, kw) if one_process else _in_subprocess(kind, **kw)
+
+
+def _in_this_process(kind, kw):
+    """One method measured in this process: on CUDA the allocator's peak is reset per
+    method, so the peaks are the methods' own (a fresh process costs fairseq's import)."""
+    import gc
+
+    import torch
+
+    kw = dict(kw)
+    torch.set_num_threads(kw.pop("threads"))
+    try:
+        result = run_loss(**kw) if kind == "loss" else run_step(**kw)
+    except torch.cuda.OutOfMemoryError:
+        result = {"error": "out of memory"}
+    except Exception as exc:  # noqa: BLE001 - as a failed subprocess: noted, the table goes on
+        result = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
 
 
 def _in_subprocess(kind, **kw):
@@ -308,6 +413,8 @@ def _table(title, rows):
             lines.append(f"| {case} | {method} | – | – | – | – | – | {r['error'][:60]} |")
             continue
         f = floor.setdefault(case, r)
+        if "pairs" in r:
+            method = f"{method} ({r['pairs']} pairs/chunk)"
         lines.append(
             f"| {case} | {method} | {r['time_s'] * 1e3:.1f} | {r['time_s'] / f['time_s']:.2f} "
             f"| {r['peak_mib']:.0f} | {r['peak_mib'] / max(f['peak_mib'], 1e-9):.2f} "
@@ -327,73 +434,104 @@ def main():
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", nargs="?", choices=["loss", "step", "all", "gpu"], default="all",
-                   help="gpu: loss in fp16 and bf16 at V = 10k/32k/50k, 4096 and 8192 tokens "
-                   "per pass, and fp16 steps of transformer_iwslt_de_en and "
-                   "transformer_vaswani_wmt_en_de_big, on CUDA")
+                   help="gpu: on CUDA, in one process per table: the loss in bf16 and fp16 at "
+                   "V = 32k and 267,744, 8192 tokens per pass, logits from D = 1024 features "
+                   "(floor, upstream, ours-triton, ours-fused-linear), and fp16 steps of "
+                   "transformer_iwslt_de_en and transformer_vaswani_wmt_en_de_big (floor, "
+                   "upstream, ours-triton)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="default: cuda for 'gpu', else cpu")
     p.add_argument("--dtype", nargs="+", default=None,
-                   help="logits / model dtypes (default: float32 on CPU; gpu: float16 bfloat16)")
-    p.add_argument("--vocab", type=int, nargs="+", default=[10000, 32000, 50000])
+                   help="logits / model dtypes (default: float32 on CPU; gpu: bfloat16 float16)")
+    p.add_argument("--vocab", type=int, nargs="+", default=None,
+                   help="default 10000 32000 50000 (gpu: 32000 267744)")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
-                   help="target tokens per pass (default 4096; gpu: 4096 8192)")
+                   help="target tokens per pass (default 4096; gpu: 8192)")
     p.add_argument("--step-arch", nargs="+", default=None,
                    help="default: transformer_iwslt_de_en (gpu: also the WMT big model)")
     p.add_argument("--step-vocab", type=int, default=None, help="default 10000 (gpu: 32000)")
     p.add_argument("--step-tokens", type=int, default=None, help="default 2048 (gpu: 4096)")
+    p.add_argument("--step-tiny", action="store_true",
+                   help="steps of the arch with 1 + 1 layers of 16 dims (a quick check)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--methods", nargs="+", default=None,
                    choices=list(CRITERION_ARGS) + list(LOSS_ONLY_METHODS))
-    p.add_argument("--projection", type=int, default=0, metavar="D",
-                   help="loss: make the logits from D-dim features by an output projection")
+    p.add_argument("--projection", type=int, default=None, metavar="D",
+                   help="loss: make the logits from D-dim features by an output projection "
+                   "(gpu: 1024)")
+    p.add_argument("--fused-chunk-mb", type=float, nargs="+", default=[], metavar="MB",
+                   help="loss: also ours-fused-linear with each of these --rdrop-chunk-mb "
+                   "(the table gives the row pairs per chunk)")
+    p.add_argument("--one-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure every method in this process (default on CUDA, where the "
+                   "allocator's peak is reset per method; on CPU a fresh process per method "
+                   "gives each its own resident-set peak)")
+    p.add_argument("--profile", metavar="FILE",
+                   help="step: also write torch.profiler tables of each method's step here")
     p.add_argument("--markdown", help="also write the tables to this file")
-    p.add_argument("--json", help="also write every measurement to this file")
+    p.add_argument("--json", help="also write every measurement to this file (as it goes)")
     a = p.parse_args()
     gpu = a.what == "gpu"
     device = a.device or ("cuda" if gpu else "cpu")
-    dtypes = a.dtype or (["float16", "bfloat16"] if gpu else ["float32"])
-    tokens = a.tokens or ([4096, 8192] if gpu else [4096])
-    methods = a.methods or (list(CRITERION_ARGS) if device == "cuda"
+    one_process = device == "cuda" if a.one_process is None else a.one_process
+    dtypes = a.dtype or (["bfloat16", "float16"] if gpu else ["float32"])
+    tokens = a.tokens or ([8192] if gpu else [4096])
+    vocabs = a.vocab or ([32000, 267744] if gpu else [10000, 32000, 50000])
+    projection = a.projection if a.projection is not None else (1024 if gpu else 0)
+    methods = a.methods or (["floor", "upstream", "ours-triton", "ours-fused-linear"] if gpu
+                            else list(CRITERION_ARGS) if device == "cuda"
                             else ["floor", "upstream", "ours-torch"])
     common = dict(repeats=a.repeats, threads=a.threads, device=device)
     out = [f"device={device} threads={a.threads} repeats={a.repeats} (~20% padding in 'loss')"]
     print(out[0])
     measured = []
+
+    def record(kind, case, method, result):
+        print(f"  {kind} {case} {method}: {result}", flush=True)
+        measured.append({"kind": kind, "case": case, "method": method, **result})
+        if a.json:  # as it goes: a run stopped half-way keeps what it measured
+            with open(a.json, "w") as f:
+                json.dump(measured, f, indent=1)
+        return case, method, result
+
     if a.what in ("loss", "all", "gpu"):
         rows = []
+        loss_methods = methods + [f"ours-fused-linear:{mb:g}" for mb in a.fused_chunk_mb]
         for dtype in dtypes:
             for n in tokens:
-                for v in a.vocab:
-                    for m in methods:
-                        case = f"{dtype} V={v} N={n}" + (f" D={a.projection}"
-                                                             if a.projection else "")
-                        rows.append((case, m, _in_subprocess(
-                            "loss", method=m, vocab=v, tokens=n, dtype=dtype,
-                            projection=a.projection, **common)))
-                        print(f"  loss {rows[-1][0]} {m}: {rows[-1][2]}", flush=True)
+                for v in vocabs:
+                    case = f"{dtype} V={v} N={n}" + (f" D={projection}" if projection else "")
+                    for m in loss_methods:
+                        rows.append(record("loss", case, m, _measure(
+                            "loss", one_process, method=m, vocab=v, tokens=n, dtype=dtype,
+                            projection=projection, **common)))
         out.append(_table("Loss alone: logits -> loss -> backward", rows))
-        measured += [{"kind": "loss", "case": c, "method": m, **r} for c, m, r in rows]
     if a.what in ("step", "all", "gpu"):
-        rows = []
+        rows, profiles = [], []
         archs = a.step_arch or (["transformer_iwslt_de_en", "transformer_vaswani_wmt_en_de_big"]
                                 if gpu else ["transformer_iwslt_de_en"])
         vocab = a.step_vocab or (32000 if gpu else 10000)
         step_tokens = a.step_tokens or (4096 if gpu else 2048)
         step_dtype = "float16" if device == "cuda" else "float32"
+        step_methods = [m for m in methods if m in CRITERION_ARGS]
+        if gpu and not a.methods:
+            step_methods = ["floor", "upstream", "ours-triton"]
         for arch in archs:
-            for m in (m for m in methods if m in CRITERION_ARGS):
-                rows.append((f"{arch} {step_dtype} V={vocab} N={step_tokens}", m, _in_subprocess(
-                    "step", method=m, vocab=vocab, tokens=step_tokens, arch=arch,
-                    dtype=step_dtype, **common)))
-                print(f"  step {rows[-1][0]} {m}: {rows[-1][2]}", flush=True)
+            case = f"{arch}{' (tiny)' if a.step_tiny else ''} {step_dtype} V={vocab} N={step_tokens}"
+            for m in step_methods:
+                result = _measure("step", one_process, method=m, vocab=vocab, tokens=step_tokens,
+                                  arch=arch, dtype=step_dtype, tiny=a.step_tiny,
+                                  profile=bool(a.profile), **common)
+                if "profile" in result:
+                    profiles.append(f"## {case}, {m}\n\n{result.pop('profile')}\n")
+                rows.append(record("step", case, m, result))
         out.append(_table("A whole training step (forward, loss, backward)", rows))
-        measured += [{"kind": "step", "case": c, "method": m, **r} for c, m, r in rows]
+        if a.profile:
+            with open(a.profile, "w") as f:
+                f.write("\n".join(profiles))
     text = "\n".join(out)
     print(text)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(measured, f, indent=1)
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(text + "\n")

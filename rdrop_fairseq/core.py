@@ -166,10 +166,9 @@ def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None
     if pairs.stride(-1) != 1:
         pairs = pairs.contiguous()
     kept = _kept_rows(target, ignore_index, keep, n, pairs)
-    if target is not None:
-        # an excluded row's id may be anything (-100, 1e9): read class 0 there instead
-        target = torch.where(kept, target.reshape(-1), 0)
     impl = _resolve_impl(impl, scores)
+    if target is not None:
+        target = _target_ids(target, kept, impl)
     chunk_rows = chunk_rows_for(vocab, scores, chunk_mb) if impl == "torch" else 0
     into_scores = _grad_into_scores(grad_in_scores, scores, pairs)
     if not torch.is_grad_enabled():  # needs_input_grad follows requires_grad, not no_grad
@@ -225,20 +224,31 @@ def check_alpha_epsilon(alpha, epsilon):
     return alpha
 
 
-def combine_rows(stats, kept, coef, alpha, has_target):
+def combine_rows(stats, kept, coef, alpha, has_target, impl="torch"):
     """``(total, loss, nll, kl)`` from the per-row statistics ``stats`` (rows nll, smooth,
-    KL(p||q), KL(q||p)): excluded rows masked out (whatever they hold), summed in the
-    stats' dtype; a zero coefficient never meets an inf (0 * inf = nan)."""
-    nll, smooth, kl_pq, kl_qp = torch.where(kept, stats[:4], 0).sum(1).unbind()
-    if has_target:
-        loss = coef["c1"] * nll if coef["c1"] else torch.zeros_like(nll)
-        if coef["eps_i"]:
-            loss = loss + coef["eps_i"] * smooth
-    else:
+    KL(p||q), KL(q||p)): excluded rows masked out (whatever they hold; the Triton kernel
+    writes 0 there already), summed in the stats' dtype; a zero coefficient never meets an
+    inf (0 * inf = nan). Few ops: on a GPU each is a launch."""
+    sums = stats[:4] if impl == "triton" else torch.where(kept, stats[:4], 0)
+    nll, smooth, kl_pq, kl_qp = sums.sum(1).unbind()
+    c1, eps_i = coef["c1"], coef["eps_i"]
+    if not has_target:
         loss = nll = torch.zeros_like(kl_pq)
-    kl = 0.5 * (kl_pq + kl_qp)
-    total = loss + alpha * kl if alpha else loss.clone()  # an inf KL times 0 is nan
+    elif c1 and eps_i:
+        loss = torch.add(c1 * nll, smooth, alpha=eps_i)
+    else:
+        loss = c1 * nll if c1 else eps_i * smooth if eps_i else torch.zeros_like(nll)
+    kl = torch.add(kl_pq, kl_qp).mul_(0.5)
+    total = torch.add(loss, kl, alpha=alpha) if alpha else loss.clone()  # inf KL x 0 = nan
     return total, loss, nll, kl
+
+
+def _target_ids(target, kept, impl):
+    """``target`` flattened; for the torch implementation, class 0 where a row is excluded
+    (its id may be anything, -100 or 1e9, and gather would read it). The Triton kernel
+    never reads an excluded row's id: no op for it."""
+    target = target.reshape(-1)
+    return torch.where(kept, target, 0) if impl == "torch" else target
 
 
 def _kept_rows(target, ignore_index, keep, n, pairs):
@@ -331,9 +341,14 @@ class _FusedRDrop(torch.autograd.Function):
             grad, stats = _rows_torch(pairs, t, kept, not log_probs, chunk_rows, need_grad,
                                       out=out, **coef)
         # stats rows: nll, smooth, kl_pq, kl_qp (per row pair), then the gradient's scale
-        total, loss, nll, kl = combine_rows(stats, kept, coef, alpha, target is not None)
-        ctx.grad, ctx.row_factor = grad, torch.where(kept, stats[4], 0)
+        total, loss, nll, kl = combine_rows(stats, kept, coef, alpha, target is not None, impl)
+        ctx.grad = grad
+        # fp16 gradients are stored scaled per row pair (0 for an excluded row, whose stored
+        # factor may be nan); in other dtypes the factor is 1 and the backward a scalar's
+        ctx.row_factor = (torch.where(kept, stats[4], 0)
+                          if need_grad and pairs.dtype == torch.float16 else None)
         ctx.mark_non_differentiable(loss, nll, kl)
+        ctx.set_materialize_grads(False)  # no zeros made for the logged outputs' gradients
         return total, loss, nll, kl
 
     @staticmethod
@@ -345,12 +360,13 @@ class _FusedRDrop(torch.autograd.Function):
                 "place, the gradient kept from the forward (no retain_graph reuse)"
             )
         del ctx.grad
-        factor = (g_total * ctx.row_factor).view(1, -1, 1)
-        return grad.mul_(factor), None, None, None, None, None, None, None, None
+        if ctx.row_factor is not None:
+            g_total = (g_total * ctx.row_factor).view(1, -1, 1)
+        return grad.mul_(g_total), None, None, None, None, None, None, None, None
 
 
 def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, out=None, *,
-                pcoef, h, eps_i, c1):
+                pcoef, h, eps_i, c1, fp16_max=_FP16_TARGET_MAX):
     """Per row pair ``(x, y) = (pairs[0, i], pairs[1, i])``, with ``la, lb`` their
     log-probabilities (log_softmax of logits, or the inputs), ``pa, pb`` the
     probabilities and ``d = la - lb``:
@@ -370,6 +386,8 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
     gradient of 0 (their stats are left to the caller to mask). Without ``need_grad`` the
     gradient is neither computed nor allocated (``grad`` is None); with ``out`` (which may
     be ``pairs`` itself: a chunk is read before its gradient is written) it goes there.
+    A float16 gradient is scaled per row pair so that its largest entry is near
+    ``fp16_max`` (stats row 4 undoes it).
     """
     dtype = _compute_dtype(pairs)
     n = pairs.size(1)
@@ -427,7 +445,7 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
         if c1:
             lp.scatter_(-1, t, -c1, reduce="add")
         if scale_fp16:
-            _scale_for_fp16(lp, inv)
+            _scale_for_fp16(lp, inv, fp16_max)
         # excluded rows: 0, whatever they held (where's out must have its compute dtype)
         if g.dtype == dtype:
             torch.where(k, lp, zero, out=g)
@@ -440,12 +458,12 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
     return grad, stats
 
 
-def _scale_for_fp16(g, inv_scale):
+def _scale_for_fp16(g, inv_scale, target_max=_FP16_TARGET_MAX):
     """Scale each row pair of ``g`` (2, r, V) in place by a power of two so that its largest
-    entry is near :data:`_FP16_TARGET_MAX`; write the inverse scales into ``inv_scale``."""
+    entry is near ``target_max``; write the inverse scales into ``inv_scale``."""
     # max |g| as max(max g, -min g): no chunk-sized temporary beyond the chunk budget
     biggest = torch.maximum(g.amax(dim=(0, 2)), g.amin(dim=(0, 2)).neg_())
     biggest.clamp_min_(torch.finfo(torch.float32).tiny)
-    exponent = torch.floor(torch.log2(_FP16_TARGET_MAX / biggest)).clamp_(-24.0, 24.0)
+    exponent = torch.floor(torch.log2(target_max / biggest)).clamp_(-24.0, 24.0)
     g.mul_(torch.exp2(exponent).view(1, -1, 1))
     torch.exp2(-exponent, out=inv_scale)

@@ -2,47 +2,74 @@
 
 :func:`fused_linear_rdrop_loss` computes what :func:`rdrop_fairseq.core.rdrop_loss`
 computes from ``logits = features @ weight.T (+ bias)``, a chunk of row *pairs* at a time
-(pass 1 and pass 2 of the same position together, as the KL needs): the chunk's logits,
-their row statistics and gradient (:func:`rdrop_fairseq.core._rows_torch`), then at once
-the features' gradient and the chunk's share of the weight's and bias's gradient. So the
-``2N x V`` logits, their float32 upcast and their gradient never exist: the largest
-tensors are one chunk's (``--rdrop-chunk-mb``) and the ``V x d`` weight gradient. As in
-the core, everything is computed in the forward and the backward only scales by the
-incoming gradient (one backward per forward).
+(pass 1 and pass 2 of the same position together, as the KL needs). Per chunk:
 
-Precision: the matmuls run in the model's dtype (the BLAS); row statistics, the loss and
-the weight/bias gradients are accumulated in float32 (float64 for float64 models). For
-fp16 the logits' gradient is stored scaled per row pair as in the core; the weight
-gradient's product then runs on the unscaled float32 chunk, which costs one float32
-chunk-sized temporary.
+1. the chunk's logits, one matrix product in the model's dtype;
+2. their row statistics, and their gradient written over them: the Triton row kernel
+   (:mod:`rdrop_fairseq.triton_kernel`, one launch) with ``impl="triton"``, the core's
+   chunked torch ops (:func:`rdrop_fairseq.core._rows_torch`) with ``impl="torch"``;
+3. the features' gradient and the chunk's share of the weight's (and bias's) gradient,
+   two more products in the model's dtype.
+
+So the ``2N x V`` logits, their float32 upcast and their gradient never exist: the largest
+tensors are one chunk's (``--rdrop-chunk-mb``) and the ``V x d`` weight gradient. As in the
+core, everything is computed in the forward and the backward only scales by the incoming
+gradient (one backward per forward).
+
+Layout: the features are copied once into ``(N, 2, d)`` (pass 1 and pass 2 of a position
+side by side, plus a column of ones when the bias needs a gradient: its gradient is then
+the last column of the weight's product), so that a chunk is one contiguous ``(2r, d)``
+block: each product is one call, and the kernel reads the ``(2, r, V)`` pairs through
+strides.
+
+Precision: the products multiply in the model's dtype (tensor cores for fp16/bf16) and
+accumulate in float32 inside each product. The weight's and bias's gradients are summed
+over the chunks in float32 (float64 for float64 models): on CUDA the product writes into
+that float32 sum directly (``out_dtype``); where torch cannot (CPU), each chunk's share is
+rounded once to the model's dtype before it is added. For fp16 the logits' gradient is
+stored scaled per row pair by a power of two (most entries are ~1/V, fp16 subnormals);
+the features' gradient undoes the scale on its small ``r x d`` result, and the weight's
+product takes it in the features' rows (times the power of two :data:`FP16_TARGET_MAX`,
+which the product's ``alpha`` removes), so no operand is upcast.
 """
 
 import torch
-import torch.nn.functional as F
 
 from .core import (
+    AUTO_CHUNK_MB,
     RDropBatchError,
     RDropLoss,
     _coefficients,
     _compute_dtype,
     _kept_rows,
+    _resolve_impl,
     _rows_torch,
+    _target_ids,
     check_alpha_epsilon,
     chunk_rows_for,
     combine_rows,
 )
 
-
 # With --rdrop-chunk-mb 0 (automatic), at least this many row pairs per chunk: every chunk
 # reads the whole V x d weight twice and updates its V x d gradient, so small chunks make
 # the path memory-bound (CPU, V = 267,744, d = 128: 8.8 s with 7-pair chunks of 16 MiB,
 # 5.5 s with 64-pair chunks, against 8.0 s for plain cross-entropy on the logits). The
-# CUDA figure is a guess from the ratio of compute to memory bandwidth, not measured.
+# CUDA figure is a guess from the ratio of compute to memory bandwidth, not measured yet:
+# scripts/gpu_check.sh measures a sweep of chunk sizes.
 MIN_AUTO_PAIRS = {"cpu": 64, "cuda": 256}
+
+# fp16: each row pair's gradient is stored scaled so that a bound on its largest entry is
+# near this power of two; less headroom than the logits path's 2**14, because here the
+# scaled gradient is multiplied by the weight in fp16 (the features' gradient product).
+FP16_TARGET_MAX = 2.0 ** 10
+
+# (op name, device type) for which torch refused out_dtype=float32 (older torch): not tried again
+_NO_FLOAT32_OUT = set()
 
 
 def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, epsilon=0.0,
-                            ignore_index=None, keep=None, chunk_mb=0.0, predictions=None):
+                            ignore_index=None, keep=None, chunk_mb=0.0, predictions=None,
+                            impl="auto"):
     """Task loss of both passes plus ``alpha`` times their symmetric KL, from the features.
 
     Args:
@@ -50,11 +77,17 @@ def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, e
             with ``features_only=True``), in the model's dtype.
         weight: ``(V, d)`` output projection (tied with the embedding or not); ``bias``
             ``(V,)`` or None.
-        target, epsilon, ignore_index, keep, alpha, chunk_mb: as :func:`core.rdrop_loss`
-            (``target`` of one pass, ``(B, ...)``). With ``chunk_mb`` 0, a chunk also has
-            at least :data:`MIN_AUTO_PAIRS` row pairs; an explicit budget is kept exactly.
+        target, epsilon, ignore_index, keep, alpha: as :func:`core.rdrop_loss` (``target``
+            of one pass, ``(B, ...)``).
+        chunk_mb: bound, in MiB, on one chunk: its logits (model dtype) with ``impl``
+            triton, also the core's float32 temporaries with torch; 0 = automatic
+            (:data:`core.AUTO_CHUNK_MB`, and at least :data:`MIN_AUTO_PAIRS` row pairs).
+            An explicit budget is kept exactly.
         predictions: optional ``(2, B*...)`` long tensor that receives each row's argmax
             (for ``--report-accuracy``), taken before the logits become the gradient.
+        impl: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``),
+            ``"torch"``, or ``"auto"`` (triton on CUDA when importable), as
+            :func:`core.rdrop_loss`.
 
     Returns :data:`core.RDropLoss` ``(total, loss, nll, kl)``; ``total`` is differentiable
     with respect to ``features``, ``weight`` and ``bias``.
@@ -65,29 +98,63 @@ def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, e
                               f"dim 0, got shape {tuple(features.shape)}")
     if weight.dim() != 2 or weight.size(1) != features.size(-1):
         raise ValueError(f"weight must be (V, {features.size(-1)}), got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.size(0),):
+        raise ValueError(f"bias must be ({weight.size(0)},), got {tuple(bias.shape)}")
+    impl = _resolve_impl(impl, features)
     pairs = features.reshape(2, -1, features.size(-1))
     n, vocab = pairs.size(1), weight.size(0)
     kept = _kept_rows(target, ignore_index, keep, n, pairs)
-    target = torch.where(kept, target.reshape(-1), 0)  # excluded rows: any id
-    # a chunk holds its logits (model dtype, becoming their gradient) + the core's
-    # float32 temporaries + (fp16/bf16) the unscaled float32 gradient for the weight's
-    logits_like = torch.empty((), dtype=features.dtype, device=features.device)
-    rows = chunk_rows_for(vocab, logits_like, chunk_mb)
-    if features.dtype != _compute_dtype(features):
-        rows = max(1, rows * 4 // 5)
-    if not chunk_mb:  # automatic: also amortise the weight's traffic over enough rows
-        rows = max(rows, MIN_AUTO_PAIRS["cuda" if features.is_cuda else "cpu"])
+    target = _target_ids(target, kept, impl)
+    rows = chunk_pairs(vocab, features, chunk_mb, impl)
     with torch.autocast(features.device.type, enabled=False):
         total, loss, nll, kl = _FusedLinearRDrop.apply(
             pairs, weight, bias, target, kept, alpha, float(epsilon), rows, predictions,
-            torch.is_grad_enabled())
+            torch.is_grad_enabled(), impl)
     return RDropLoss(total, loss, nll, kl)
+
+
+def chunk_pairs(vocab, features, chunk_mb=0.0, impl="torch"):
+    """Row pairs per chunk for a ``chunk_mb`` MiB budget (0: automatic, see
+    :func:`fused_linear_rdrop_loss`) and features of that dtype and device."""
+    rows = chunk_rows_for(vocab, features, chunk_mb)  # the core's float32 temporaries
+    if impl == "triton":  # a chunk is its logits alone, which become their gradient
+        budget = (chunk_mb or AUTO_CHUNK_MB["cuda" if features.is_cuda else "cpu"]) * 2**20
+        rows = max(1, int(budget) // (2 * vocab * features.element_size()))
+    elif features.dtype != _compute_dtype(features):
+        rows = max(1, rows * 4 // 5)  # fp16/bf16 logits beside 16 bytes of temporaries
+    if not chunk_mb:  # automatic: also amortise the weight's traffic over enough rows
+        rows = max(rows, MIN_AUTO_PAIRS["cuda" if features.is_cuda else "cpu"])
+    return rows
+
+
+def _float32_out(op, *args, **kwargs):
+    """``op(*args, out_dtype=torch.float32, **kwargs)`` for fp16/bf16 operands: the
+    product's float32 accumulation written as float32 (CUDA). None where torch has no such
+    kernel (CPU) or refuses it (torch before 2.8 or so), which is then not tried again."""
+    device = args[-1].device.type
+    if device != "cuda" or (op.__name__, device) in _NO_FLOAT32_OUT:
+        return None
+    try:
+        return op(*args, out_dtype=torch.float32, **kwargs)
+    except (RuntimeError, TypeError):
+        _NO_FLOAT32_OUT.add((op.__name__, device))
+        return None
+
+
+def _add_product(acc, a, b, alpha, zero):
+    """``acc += alpha * (a @ b)``: ``a``, ``b`` in the model's dtype and multiplied in it,
+    ``acc`` the float32 (float64) sum; ``zero`` a 0-dim zero of the operands' dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b, alpha=alpha)
+    elif _float32_out(torch.addmm, acc, a, b, alpha=alpha, out=acc) is None:
+        # alpha inside the product, before its rounding: a scaled fp16 share can overflow
+        acc.add_(torch.addmm(zero, a, b, beta=0, alpha=alpha))
 
 
 class _FusedLinearRDrop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pairs, weight, bias, target, kept, alpha, epsilon, chunk_rows,
-                predictions, grad_enabled):
+                predictions, grad_enabled, impl):
         n, dim = pairs.size(1), pairs.size(2)
         vocab = weight.size(0)
         coef = _coefficients(vocab, epsilon, alpha, True, True)
@@ -96,37 +163,58 @@ class _FusedLinearRDrop(torch.autograd.Function):
         need_x, need_w, need_b = (need and grad_enabled for need in ctx.needs_input_grad[:3])
         need_b = need_b and bias is not None
         need_grad = need_x or need_w or need_b
-        acc = _compute_dtype(pairs)
-        device = pairs.device
-        grad_x = torch.empty_like(pairs) if need_x else None
-        grad_w = torch.zeros((vocab, dim), dtype=acc, device=device) if need_w else None
-        grad_b = torch.zeros(vocab, dtype=acc, device=device) if need_b else None
+        acc, device = _compute_dtype(pairs), pairs.device
+        scaled = need_grad and pairs.dtype == torch.float16  # the gradient's per-row scale
+        # (N, 2, width): a chunk's rows are one block; a column of ones for the bias
+        width = dim + need_b
+        rows = torch.empty((n, 2, width), dtype=pairs.dtype, device=device)
+        rows[..., :dim] = pairs.transpose(0, 1)
+        if need_b:
+            rows[..., dim] = 1
+        grad_rows = torch.empty((n, 2, dim), dtype=pairs.dtype, device=device) if need_x else None
+        # the weight's gradient, and the bias's as its last column
+        grad_wb = torch.zeros((vocab, width), dtype=acc, device=device) if need_w or need_b else None
+        zero = torch.zeros((), dtype=pairs.dtype, device=device)
         stats = torch.empty((5, n), dtype=acc, device=device)
+        weight_t = weight.t()
         for start in range(0, n, chunk_rows):
             end = min(n, start + chunk_rows)
-            x = pairs[:, start:end]
-            logits = F.linear(x, weight, bias)  # (2, r, V), the model's dtype
+            r = end - start
+            block = rows[start:end]
+            x = block[..., :dim].reshape(2 * r, dim)  # a view: rows of stride width
+            logits = torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+            scores = logits.view(r, 2, vocab).transpose(0, 1)  # (2, r, V): pass 1, pass 2
             if predictions is not None:
-                torch.argmax(logits, -1, out=predictions[:, start:end])
-            g, chunk_stats = _rows_torch(logits, target[start:end], kept[start:end], True,
-                                         end - start, need_grad, out=logits, **coef)
-            stats[:, start:end] = chunk_stats
+                torch.argmax(scores, -1, out=predictions[:, start:end])
+            _row_pairs(impl, scores, target[start:end], kept[start:end], need_grad,
+                       stats[:, start:end], coef)
             if not need_grad:
                 continue
-            # the true gradient is g times the row's storage factor (0 for excluded rows)
-            factor = torch.where(kept[start:end], chunk_stats[4], 0).view(1, -1, 1)
+            g = logits  # now the logits' gradient, (2r, V)
+            alpha_w = 1.0
+            if scaled:  # the true gradient is g times stats[4] per row pair (0: excluded)
+                factor = torch.where(kept[start:end], stats[4, start:end], 0).view(r, 1, 1)
             if need_x:
-                grad_x[:, start:end] = (torch.matmul(g, weight).to(acc) * factor)
-            if need_w or need_b:
-                g = g.to(acc).mul_(factor) if g.dtype != acc else g.mul_(factor)
-                if need_w:
-                    grad_w.addmm_(g.reshape(-1, vocab).t(), x.reshape(-1, dim).to(acc))
-                if need_b:
-                    grad_b += g.sum((0, 1))
-        total, loss, nll, kl = combine_rows(stats, kept, coef, alpha, True)
-        ctx.grads = (grad_x, grad_w, grad_b)
-        ctx.dtypes = (pairs.dtype, weight.dtype, None if bias is None else bias.dtype)
+                out = grad_rows[start:end]
+                if scaled:
+                    product = _float32_out(torch.mm, g, weight)
+                    product = torch.mm(g, weight) if product is None else product
+                    torch.mul(product.view(r, 2, dim), factor, out=out)
+                else:
+                    torch.mm(g, weight, out=out.view(2 * r, dim))
+            if grad_wb is not None:
+                xs = block.view(2 * r, width)
+                if scaled:  # the scale goes into the rows, times 2**k that alpha removes
+                    xs = torch.mul(block, factor * FP16_TARGET_MAX,
+                                   out=torch.empty_like(block)).view(2 * r, width)
+                    alpha_w = 1.0 / FP16_TARGET_MAX
+                _add_product(grad_wb, g.t(), xs, alpha_w, zero)
+        total, loss, nll, kl = combine_rows(stats, kept, coef, alpha, True, impl)
+        ctx.grads = (grad_rows, grad_wb)
+        ctx.layout = (need_x, need_w, need_b, dim, pairs.dtype, weight.dtype,
+                      None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(loss, nll, kl)
+        ctx.set_materialize_grads(False)  # no zeros made for the logged outputs' gradients
         return total, loss, nll, kl
 
     @staticmethod
@@ -135,7 +223,30 @@ class _FusedLinearRDrop(torch.autograd.Function):
         if grads is None:
             raise RuntimeError("fused_linear_rdrop_loss supports one backward per forward")
         del ctx.grads
-        out = []
-        for grad, dtype in zip(grads, ctx.dtypes):
-            out.append(None if grad is None else grad.mul_(g_total).to(dtype))
-        return (*out, None, None, None, None, None, None, None)
+        grad_rows, grad_wb = grads
+        need_x, need_w, need_b, dim, x_dtype, w_dtype, b_dtype = ctx.layout
+        grad_x = _times(grad_rows.transpose(0, 1), g_total, x_dtype) if need_x else None
+        grad_w = _times(grad_wb[:, :dim], g_total, w_dtype) if need_w else None
+        grad_b = _times(grad_wb[:, dim], g_total, b_dtype) if need_b else None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+
+
+def _row_pairs(impl, scores, target, kept, need_grad, stats, coef):
+    """Row statistics of ``scores`` (2, r, V) into ``stats`` (5, r); with ``need_grad``
+    their gradient over them (fp16: scaled per row pair, stats[4] undoes it)."""
+    if impl == "triton":
+        from .triton_kernel import rdrop_rows_triton
+
+        rdrop_rows_triton(scores, target, kept, from_logits=True, need_grad=need_grad,
+                          out=scores, stats=stats, fp16_target_max=FP16_TARGET_MAX, **coef)
+    else:
+        _, chunk_stats = _rows_torch(scores, target, kept, True, scores.size(1), need_grad,
+                                     out=scores, fp16_max=FP16_TARGET_MAX, **coef)
+        stats.copy_(chunk_stats)
+
+
+def _times(grad, g_total, dtype):
+    """``grad * g_total`` in ``dtype``, contiguous: in place where ``grad`` already is."""
+    if grad.dtype == dtype and grad.is_contiguous():
+        return grad.mul_(g_total)
+    return torch.mul(grad, g_total, out=torch.empty(grad.shape, dtype=dtype, device=grad.device))

@@ -71,7 +71,7 @@ def triton_available():
 
 
 def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i, c1,
-                      need_grad=True, out=None):
+                      need_grad=True, out=None, stats=None, fp16_target_max=FP16_TARGET_MAX):
     """Per-row R-Drop terms and gradient of both passes in one kernel launch.
 
     Args:
@@ -94,10 +94,15 @@ def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i
         out: a ``(2, N, V)`` tensor of the dtype of ``scores`` (rows contiguous) for the
             gradient instead of a new one; it may be ``scores`` itself (each chunk is read
             before its gradient is written).
+        stats: a float32 ``(5, N)`` tensor for the statistics instead of a new one (rows
+            contiguous, any row stride: a column slice of a larger buffer).
+        fp16_target_max: float16 only: where each row pair's bound on ``|g|`` is scaled to
+            (a power of two; the fused-linear path multiplies the scaled gradient by the
+            weight in float16 and asks for less headroom than the default 2**14).
 
     Returns ``(grad, stats)``: ``grad`` is ``(2, N, V)`` contiguous in the dtype of
     ``scores``, the gradient of ``total`` (unmasked; in float16 multiplied by a power of
-    two per row pair); ``stats`` is ``(5, N)`` float32 contiguous with the rows ``nll =
+    two per row pair); ``stats`` is ``(5, N)`` float32 (contiguous, or the ``stats`` given) with the rows ``nll =
     -(la[t] + lb[t])``, ``smooth = -(sum la + sum lb)``, ``kl_pq = KL(pa||pb)``, ``kl_qp =
     KL(pb||pa)``, and the factor that undoes the gradient's scale (1 but in float16). A class that both passes
     rule out (``la = lb = -inf``) contributes nothing to the KLs nor their gradient; one
@@ -120,7 +125,11 @@ def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i
                                                        device=scores.device)
         if grad.shape != scores.shape or grad.dtype != scores.dtype or grad.stride(-1) != 1:
             raise ValueError("out must have the shape and dtype of scores, rows contiguous")
-    stats = torch.empty((5, n), dtype=torch.float32, device=scores.device)
+    if stats is None:
+        stats = torch.empty((5, n), dtype=torch.float32, device=scores.device)
+    if (stats.shape != (5, n) or stats.dtype != torch.float32 or stats.device != scores.device
+            or (n > 1 and stats.stride(1) != 1)):
+        raise ValueError(f"stats must be (5, {n}) float32 on {scores.device}, rows contiguous")
     if n == 0:
         return grad, stats
     g = grad if need_grad else scores  # never written without NEED_GRAD
@@ -130,8 +139,9 @@ def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i
     with torch.cuda.device(scores.device) if scores.is_cuda else contextlib.nullcontext():
         _rdrop_rows_kernel[(n,)](
             scores, scores.stride(0), scores.stride(1), target, target.stride(0),
-            keep.view(torch.uint8), keep.stride(0), g, g.stride(0), g.stride(1), stats, n,
-            vocab, float(pcoef), float(h), float(eps_i), float(c1), FP16_TARGET_MAX,
+            keep.view(torch.uint8), keep.stride(0), g, g.stride(0), g.stride(1), stats,
+            stats.stride(0), vocab, float(pcoef), float(h), float(eps_i), float(c1),
+            float(fp16_target_max),
             FROM_LOGITS=bool(from_logits), ROW_SCALE=scores.dtype == torch.float16,
             NEED_GRAD=bool(need_grad), BLOCK_V=block_v, num_warps=num_warps,
             enable_fp_fusion=True,  # FMA as in CUDA code; explicit, as Triton 3.9 asks
@@ -189,7 +199,7 @@ if triton is not None:
     @triton.jit
     def _rdrop_rows_kernel(
         s_ptr, stride_pass, stride_row, t_ptr, stride_t, k_ptr, stride_k, g_ptr,
-        g_stride_pass, g_stride_row, stats_ptr, n, vocab,
+        g_stride_pass, g_stride_row, stats_ptr, stats_stride, vocab,
         pcoef, h, eps_i, c1, target_max, FROM_LOGITS: tl.constexpr, ROW_SCALE: tl.constexpr,
         NEED_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
     ):
@@ -268,9 +278,9 @@ if triton is not None:
         la_t = (x_t - m_a) - log_s_a
         lb_t = (y_t - m_b) - log_s_b
         tl.store(stats_ptr + row, tl.where(kept, -(la_t + lb_t), 0.0))
-        tl.store(stats_ptr + n + row, tl.where(kept, -(sum_a + sum_b), 0.0))
-        tl.store(stats_ptr + 2 * n + row, kl_pq)
-        tl.store(stats_ptr + 3 * n + row, kl_qp)
+        tl.store(stats_ptr + stats_stride + row, tl.where(kept, -(sum_a + sum_b), 0.0))
+        tl.store(stats_ptr + 2 * stats_stride + row, kl_pq)
+        tl.store(stats_ptr + 3 * stats_stride + row, kl_qp)
 
         # sweep 3, from logits: the gradient, through the softmax: d/dx KL(p||q) =
         # p (d - KL(p||q)) needs the row's complete KL; d/dx KL(q||p) = p - q, and the
@@ -288,9 +298,9 @@ if triton is not None:
             bound = tl.maximum(bound + h + eps_i + tl.abs(c1), 1.0e-30)
             exponent = tl.minimum(tl.maximum(tl.floor(tl.log2(target_max / bound)), -24.0), 24.0)
             scale = tl.exp2(exponent)
-            tl.store(stats_ptr + 4 * n + row, tl.where(kept, tl.exp2(-exponent), 1.0))
+            tl.store(stats_ptr + 4 * stats_stride + row, tl.where(kept, tl.exp2(-exponent), 1.0))
         else:
-            tl.store(stats_ptr + 4 * n + row, 1.0)
+            tl.store(stats_ptr + 4 * stats_stride + row, 1.0)
         if NEED_GRAD:
             if FROM_LOGITS or ROW_SCALE:
                 for start in range(0, active, BLOCK_V):

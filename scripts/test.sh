@@ -7,9 +7,12 @@
 # Extra arguments go to pytest (e.g. tests/test_core.py, -k criteria, -x; -n 0: one process).
 # The tests run on every core (pytest-xdist), a test file per worker: most of them wait on
 # single-threaded fairseq runs, and a file's tests share its module fixtures.
+# TEST_PYTHON: run with that interpreter's environment instead (no set-up: a machine
+# without network, scripts/gpu_check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+PYTHON=${TEST_PYTHON:-.venv/bin/python}
+[ -n "${TEST_PYTHON:-}" ] || bash scripts/setup.sh
 if [ "${1:-}" = "--fast" ]; then
   shift
   set -- -m "not slow" tests/test_core.py tests/test_criteria.py tests/test_fused_linear.py \
@@ -17,4 +20,4 @@ if [ "${1:-}" = "--fast" ]; then
     tests/test_attendout_gate.py "$@"
 fi
 # testpaths (pytest.ini): tests/ and experiments/tests/
-exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-auto}" --dist loadfile "$@"
+exec "$PYTHON" -m pytest -n "${TEST_WORKERS:-auto}" --dist loadfile "$@"

@@ -14,14 +14,16 @@ OFFLINE = {"http_proxy": DEAD_PROXY, "https_proxy": DEAD_PROXY, "HTTPS_PROXY": D
 
 
 def run(cmd, ok=True, env=None):
-    """Run a recipe module, script or fairseq tool on one thread with the test environment's tools
-    on PATH; ``proc.output`` is stdout + stderr. With ``ok``, a failure fails the test.
+    """Run a recipe module, script or fairseq tool on one thread and no GPU with the test
+    environment's tools on PATH; ``proc.output`` is stdout + stderr. With ``ok``, a failure fails the test.
     fairseq's tools start warm (tests/warm_process.py): run here, and as the scripts and
     modules run them (FAIRSEQ_BIN; not in a dry run, whose printed commands name the real
     tools, and not where ``env`` sets FAIRSEQ_BIN)."""
     # the test environment's tools first, then the system's (the recipe scripts use coreutils)
     path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
-    full_env = {"PATH": path, "OMP_NUM_THREADS": "1",
+    # no GPU unless env says so: the scripts would find one (nvidia-smi) and train in fp16,
+    # the evaluation modules would move their models to it
+    full_env = {"PATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
                 "MKL_NUM_THREADS": "1", "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
     if full_env.get("DRY_RUN") != "1":
         full_env.setdefault("FAIRSEQ_BIN", fairseq_bin())

@@ -42,9 +42,12 @@ def run(cmd, cwd, timeout=TIMEOUT_S, warm=True):
     start warm (tests/warm_process.py) unless ``warm=False``.
 
     One intra-op thread: on a small machine shared with other jobs, torch's default (a
-    thread per core, spin-waiting) makes these tiny models train 10-100x slower.
+    thread per core, spin-waiting) makes these tiny models train 10-100x slower. No GPU
+    (CUDA_VISIBLE_DEVICES empty): the suite's commands are CPU runs, and stay so where
+    CUDA is visible (fairseq's defaults follow the GPU count).
     """
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
     proc = run_command(cmd, cwd, env, timeout, warm=warm)
     proc.output = proc.stdout + "\n" + proc.stderr
     return proc

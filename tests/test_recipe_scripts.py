@@ -3,7 +3,10 @@ the paper's batch per update, the precision flags, what each MODE turns into, se
 and the one-line errors. No GPU needed: DRY_RUN prints the commands instead of running them.
 (The tiny real runs through the scripts are in the recipe tests, one per task family.)"""
 
+import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -387,21 +390,111 @@ def test_a_failed_prepare_is_one_line_and_leaves_no_half_made_output(tmp_path, m
     assert list(tmp_path.iterdir()) == []  # no OUT, no empty download folder
 
 
-def test_gpu_check_dry_run_prints_its_three_steps(tmp_path):
-    commands, proc = dry_run("gpu_check", OUT=tmp_path / "out", PYTHON=sys.executable)
+def gpu_check_dry_run(tmp_path, **env):
+    """gpu_check.sh's dry run: ``{stage: its time box}``, ``{stage: its command}``."""
+    _, proc = dry_run("gpu_check", OUT=tmp_path / "out", PYTHON=sys.executable, **env)
     assert "no CUDA device here" in proc.stdout
-    assert commands[0][1:5] == ["-m", "pytest", "-m", "cuda"]
-    train = next(c for c in commands if c[0].endswith("fairseq-train"))
+    boxes, commands = {}, {}
+    for name, box, line in re.findall(r"^\+ \[(\w+), (\d+) s\] (.*)$", proc.stdout, re.M):
+        boxes[name], commands[name] = int(box), shlex.split(line)
+    assert not (tmp_path / "out").exists()
+    return boxes, commands
+
+
+def test_gpu_check_dry_run_prints_every_stage_with_its_time_box(tmp_path):
+    boxes, by_stage = gpu_check_dry_run(tmp_path)
+    assert set(boxes) == {"loss", "step", "attendout", "attendout_pruning", "cuda_tests",
+                          "prepare", "fp16_train", "fast_tier"}, boxes
+    # one 8-minute call: the measurements one after the other, then the rest side by side
+    serial = sum(boxes[s] for s in ("loss", "step", "attendout", "attendout_pruning"))
+    side = max(boxes["cuda_tests"], boxes["prepare"] + boxes["fp16_train"], boxes["fast_tier"])
+    assert serial + side + 60 <= 8 * 60, boxes  # the set-up's box (WHEELS) included
+    assert by_stage["cuda_tests"][1:5] == ["-m", "pytest", "-m", "cuda"]
+    train = by_stage["fp16_train"]
     assert "--fp16" in train and train[train.index("--criterion") + 1] == (
         "label_smoothed_cross_entropy_rdrop")
     assert train[train.index("--max-update") + 1] == "300"
-    benches = [c[1].rsplit("/", 1)[-1] for c in commands if c[1].endswith(".py")]
-    assert benches == ["bench_rdrop.py", "bench_attendout.py"]
-    assert all(c[2] == "gpu" for c in commands if c[1].endswith(".py"))
-    assert not (tmp_path / "out").exists()
+    loss = by_stage["loss"]
+    assert loss[loss.index("--tokens") + 1: loss.index("--projection")] == ["8192"]
+    assert loss[loss.index("--dtype") + 1: loss.index("--vocab")] == ["bfloat16", "float16"]
+    assert loss[loss.index("--vocab") + 1: loss.index("--tokens")] == ["32000", "267744"]
+    methods = loss[loss.index("--methods") + 1: loss.index("--fused-chunk-mb")]
+    assert methods == ["floor", "upstream", "ours-triton", "ours-fused-linear"]
+    for name in ("loss", "step"):
+        assert by_stage[name][1].endswith("bench_rdrop.py")
+    step = by_stage["step"]
+    assert step[step.index("--step-arch") + 1: step.index("--step-arch") + 3] == [
+        "transformer_iwslt_de_en", "transformer_vaswani_wmt_en_de_big"]
+    assert "--profile" in step
+    assert "--fast" in by_stage["fast_tier"]
+    # FULL=1: the whole grid (more token counts and methods) in boxes 4x as long;
+    # AttendOut's in its gpu mode (step, inference and pruning memory: one stage)
+    full_boxes, full = gpu_check_dry_run(tmp_path, FULL=1)
+    assert full_boxes == {name: 4 * box for name, box in boxes.items()
+                          if name != "attendout_pruning"}
+    assert full["attendout"][2] == "gpu"
+    loss = full["loss"]
+    assert loss[loss.index("--tokens") + 1: loss.index("--projection")] == ["4096", "8192"]
+    assert {"ours-torch", "ours-fused-linear-torch"} <= set(loss)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"T_LOSS": "1m"}, "T_LOSS must be a whole number of seconds >= 1"),
+    ({"T_FAST_TIER": "0"}, "T_FAST_TIER must be a whole number of seconds >= 1"),
+    ({"FP16_UPDATES": "-3"}, "FP16_UPDATES must be a whole number >= 1"),
+])
+def test_gpu_check_bad_variables_are_one_line_errors(tmp_path, env, message):
+    proc = script("gpu_check", ok=False, OUT=tmp_path / "out", WORK=tmp_path / "work",
+                  PYTHON=sys.executable, **env)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_runs_every_stage_time_boxed_into_eight_files(tmp_path):
+    """CPU_SMOKE=1: every stage at toy sizes on the CPU (Triton's interpreter for the
+    kernel), as on a GPU: its results in at most 8 files (what comes back from a GPU
+    machine), the tables and the profiles in them. One stage gets a time box of 1 s
+    (T_ATTENDOUT_PRUNING=1; it needs about 5 s): it is cut, reported as timed out, the
+    stages after it still run, and the check exits with 1."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = script("gpu_check", ok=False, CPU_SMOKE=1, OUT=out, WORK=work,
+                  PYTHON=sys.executable, T_ATTENDOUT_PRUNING=1)
+    assert proc.returncode == 1, proc.output[-4000:]
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    assert files == ["bench_attendout.json", "bench_rdrop.json", "cuda-tests.xml",
+                     "fast-tier.xml", "fp16-train.log", "gpu-check.log", "profile.txt",
+                     "summary.md"], files
+    summary = (out / "summary.md").read_text()
+    table = summary.split("| stage | status |")[1].split("\n\n")[0]
+    stages = {name: (status, seconds, box) for name, status, seconds, box in re.findall(
+        r"^\| (\w+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", table, re.M)}
+    assert list(stages) == [
+        "loss", "step", "attendout", "attendout_pruning", "cuda_tests", "prepare",
+        "fp16_train", "fp16_check", "fast_tier"], summary
+    cut = stages.pop("attendout_pruning")
+    assert cut[0] == "timed out" and cut[2] == "1" and int(cut[1]) <= 3, cut
+    assert "attendout_pruning: timed out" in proc.stdout
+    assert all(status.startswith("ok") for status, _, _ in stages.values()), summary
+    bench = json.loads((out / "bench_rdrop.json").read_text())
+    assert {r["method"] for r in bench["loss"]} == {
+        "floor", "upstream", "ours-triton", "ours-fused-linear", "ours-fused-linear:0.01",
+        "ours-fused-linear:0.1"}
+    assert all("error" not in r for r in bench["loss"] + bench["step"]), bench
+    sweep = {r["method"]: r["pairs"] for r in bench["loss"] if "pairs" in r}
+    assert sweep["ours-fused-linear:0.01"] < sweep["ours-fused-linear:0.1"], sweep
+    assert len(bench["step"]) == 6  # 2 archs x floor, upstream, ours-triton
+    assert set(json.loads((out / "bench_attendout.json").read_text())) == {"attendout"}
+    profiles = (out / "profile.txt").read_text()
+    assert profiles.count("## ") == 6 and "per step" in profiles
+    assert "| ours-fused-linear:0.1 (" in summary and "### AttendOut (attendout)" in summary
+    assert "===== attendout_pruning" in (out / "gpu-check.log").read_text()
+    assert "fp16 run: ok" in proc.stdout
 
 
 def test_gpu_check_without_cuda_says_so_and_fails(tmp_path):
-    proc = script("gpu_check", ok=False, OUT=tmp_path / "out", PYTHON=sys.executable)
+    proc = script("gpu_check", ok=False, OUT=tmp_path / "out", WORK=tmp_path / "work",
+                  PYTHON=sys.executable)
     assert proc.returncode == 1 and "no CUDA device" in proc.stderr
-    assert proc.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    assert proc.stderr.count("\n") == 1 and list(tmp_path.iterdir()) == []

@@ -418,6 +418,28 @@ def test_gradient_written_into_the_scores(kernel, dtype, from_logits):
     torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
 
 
+def test_statistics_into_a_slice_and_a_lower_fp16_target(kernel):
+    """``stats=`` a column slice of a larger buffer (how the fused-linear path collects its
+    chunks' statistics): the same values as a fresh tensor, nothing else written; and the
+    float16 scale aimed at ``fp16_target_max`` instead of 2**14: the stored gradient's
+    largest entry at most that, and the same gradient once the scale is undone."""
+    scores, target = make_scores(3, 700, seed=35, from_logits=True, dtype=torch.float16)
+    coef = dict(zip(["pcoef", "h", "eps_i", "c1"], settings(700)["label_smoothing"]))
+    want_grad, want_stats = check(kernel, scores, target, True, **coef)
+    buffer = torch.full((5, 8), 7.0)
+    grad, stats = kernel(scores, target, from_logits=True, stats=buffer[:, 2:5],
+                         fp16_target_max=2.0 ** 10, **coef)
+    assert stats.stride() == (8, 1)  # the slice itself came back, with its whole storage
+    whole = stats.as_strided((5, 8), (8, 1), 0)
+    assert (whole[:, :2] == 7).all() and (whole[:, 5:] == 7).all()
+    torch.testing.assert_close(stats[:4], want_stats[:4], rtol=0, atol=0)
+    assert (grad.abs().amax(dim=(0, 2)).float() <= 2.0 ** 10).all()
+    assert (want_grad.abs().amax(dim=(0, 2)).float() > 2.0 ** 10).all()  # the default's
+    unscaled = grad.double() * stats[4].double().view(1, -1, 1)
+    want = want_grad.double() * want_stats[4].double().view(1, -1, 1)
+    torch.testing.assert_close(unscaled, want, **GRAD_TOL[torch.float16])
+
+
 # ------------------------------------------------------------------------- 3. errors
 
 

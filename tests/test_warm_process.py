@@ -1,8 +1,10 @@
 """The warm stand-ins for fairseq's tools (tests/warm_process.py's ``fairseq_bin``) that the
 recipe and experiment tests run as FAIRSEQ_BIN: a command behaves as a real process would
 for its caller: output, exit code, working directory and environment, standard input, and
-the signals a caller sends; and it does not outlive a stand-in that was killed."""
+the signals a caller sends; and it does not outlive a stand-in that was killed. The warm
+server itself sees no GPU (a process forked from a CUDA-initialised one cannot use CUDA)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -10,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests import warm_process
 from tests.warm_process import fairseq_bin
 
 REAL_BIN = Path(sys.executable).parent
@@ -35,6 +38,29 @@ def test_stand_ins_run_fairseqs_tools_with_the_callers_cwd_env_and_exit_code(tmp
     assert failed.returncode == 1 and "missing.txt" in failed.stderr
     # fairseq's other tools are the real ones
     assert os.path.realpath(stand_in("fairseq-score")) == str(REAL_BIN / "fairseq-score")
+
+
+def cli_main():
+    """A stand-in "tool" for the test below, run in a forked child of the warm server (its
+    parent): the GPUs the command and the server were given."""
+    with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+        server = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    print(json.dumps({"command": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                      "server": server.get(b"CUDA_VISIBLE_DEVICES", b"unset").decode()}))
+
+
+def test_the_warm_server_sees_no_gpu_and_a_command_gets_the_callers_gpus_back(
+        tmp_path, monkeypatch):
+    """The server imports fairseq, which counts the GPUs; where torch cannot ask NVML that
+    initialises CUDA, and every command forked from it would find CUDA unusable. So the
+    server starts with CUDA_VISIBLE_DEVICES empty, and each command has its caller's."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setitem(warm_process.FAIRSEQ_TOOLS, "probe", __name__)
+    proc = warm_process.run_warm([REAL_BIN / "probe"], tmp_path,
+                                 {"CUDA_VISIBLE_DEVICES": "1", "PATH": "/usr/bin:/bin"}, 60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"command": "1", "server": ""}
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the caller's own left as it was
 
 
 def blocked_preprocess(tmp_path):

@@ -25,6 +25,7 @@ import json
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
 import shutil
@@ -61,6 +62,20 @@ def _warm_context():
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(_PRELOAD)
+        # The server imports fairseq, which asks torch how many GPUs there are (its
+        # distributed defaults): where torch cannot ask NVML, that initialises CUDA, and
+        # a process forked from a CUDA-initialised one finds CUDA broken. So the server
+        # starts with no GPU visible and never touches CUDA; each command gets its own
+        # environment back (CUDA_VISIBLE_DEVICES included) before any of it runs.
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["CUDA_VISIBLE_DEVICES"]
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
     return _context
 
 

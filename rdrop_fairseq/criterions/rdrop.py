@@ -227,8 +227,9 @@ class RDropMixin:
         """Two passes happen only in training; validation and inference run one pass."""
         return self.rdrop_enabled and model.training
 
-    def duplicate_sample(self, model, sample):
-        """A new sample with ``net_input`` and ``target`` repeated as ``[x; x]``."""
+    def duplicate_sample(self, model, sample, target=True):
+        """A new sample with ``net_input`` (and ``target``, unless ``target=False``: a
+        criterion that takes the target of one pass saves the copy) repeated as ``[x; x]``."""
         if not self._dropout_checked:
             self._dropout_checked = True
             if self.rdrop_alpha > 0 and not has_stochastic_layers(model):
@@ -237,15 +238,18 @@ class RDropMixin:
                     "both passes are identical and the R-Drop KL is always 0. Set --dropout "
                     "(and/or --attention-dropout, --activation-dropout) above 0"
                 )
-        target = sample.get("target")
-        if not torch.is_tensor(target):
+        one_pass = sample.get("target")
+        if not torch.is_tensor(one_pass):
             raise RDropBatchError(
                 "R-Drop needs the sample's 'target' tensor (batch in dim 0) to pair the two "
                 f"passes; this task's samples have keys {sorted(sample)}"
             )
         pair = dict(sample)
-        pair["net_input"] = duplicate_net_input(sample["net_input"], target.size(0))
-        pair["target"] = torch.cat([target, target], dim=0)
+        pair["net_input"] = duplicate_net_input(sample["net_input"], one_pass.size(0))
+        if target:
+            pair["target"] = torch.cat([one_pass, one_pass], dim=0)
+        else:
+            del pair["target"]  # not the doubled batch's
         return pair
 
     def rdrop_loss(self, scores, target, **kwargs):
@@ -265,13 +269,13 @@ class RDropMixin:
         passes so that they read like a baseline run's. Nothing here waits for the GPU.
         """
         self.check_reduce(reduce)
-        pair = self.duplicate_sample(model, sample)
+        pair = self.duplicate_sample(model, sample, target=False)
         if self.rdrop_fused_linear:  # the decoder's features: the criterion projects them
             net_output = model(**pair["net_input"], features_only=True)
         else:
             net_output = model(**pair["net_input"])
-        target = model.get_targets(pair, net_output)
-        target = target[: target.size(0) // 2]  # one pass's: the two are [t; t] by construction
+        # one pass's target: the loss pairs the passes itself (no [t; t] copy)
+        target = model.get_targets(sample, net_output)
         keep = None
         prefix = getattr(self, "ignore_prefix_size", 0)
         if prefix > 0:  # masked rather than sliced: slicing would copy the logits
@@ -279,7 +283,6 @@ class RDropMixin:
             keep[:, :prefix] = False
         logging_output = {}
         report_accuracy = getattr(self, "report_accuracy", False)
-        mask = target.ne(self.padding_idx) if keep is None else target.ne(self.padding_idx) & keep
         if self.rdrop_fused_linear:
             projection = fused_output_projection(model)
             predicted = (torch.empty((2, target.numel()), dtype=torch.long, device=target.device)
@@ -287,7 +290,8 @@ class RDropMixin:
             out = fused_linear_rdrop_loss(
                 net_output[0], projection.weight, target, bias=projection.bias,
                 alpha=self.rdrop_alpha, epsilon=epsilon, ignore_index=self.padding_idx,
-                keep=keep, chunk_mb=self.rdrop_chunk_mb, predictions=predicted)
+                keep=keep, chunk_mb=self.rdrop_chunk_mb, predictions=predicted,
+                impl=self.rdrop_impl)
         else:
             if uses_stock_log_softmax(model):
                 scores, log_probs = net_output[0], False
@@ -306,6 +310,7 @@ class RDropMixin:
                                   keep=keep, log_probs=log_probs,
                                   grad_in_scores=self.grad_in_logits)
         if report_accuracy:
+            mask = target.ne(self.padding_idx) if keep is None else target.ne(self.padding_idx) & keep
             predicted = predicted.view(2, *target.shape)
             logging_output["n_correct"] = (predicted.eq(target) & mask).sum() / 2
             logging_output["total"] = mask.sum()

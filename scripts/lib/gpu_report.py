@@ -1,0 +1,81 @@
+"""scripts/gpu_check.sh's report: OUT/summary.md (the machine and versions, each stage's
+status and time, every table), and the stages' scattered outputs gathered into the few
+files that come back from a GPU machine: gpu-check.log, bench_rdrop.json,
+bench_attendout.json.
+
+    python scripts/lib/gpu_report.py WORK OUT DEVICE
+"""
+
+import json
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+# the stages in the order gpu_check.sh runs them, and their logs (WORK/NAME.log)
+ORDER = ["setup", "loss", "step", "attendout", "attendout_pruning", "cuda_tests", "prepare",
+         "fp16_train", "fp16_check", "fast_tier"]
+
+
+def versions(device):
+    import torch
+
+    def version(*names):
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                pass
+        return "missing"
+
+    card = torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({platform.machine()})"
+    return (f"{card}; Python {platform.python_version()}, torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda}), triton {version('triton', 'pytorch-triton')}, numpy "
+            f"{version('numpy')}, fairseq {version('ve-fairseq', 'fairseq-fixed', 'fairseq')}")
+
+
+def last_line(path, starting=None):
+    """The last line of a log (pytest's summary), or the part from a line starting with
+    ``starting`` on (a table a script printed)."""
+    if not path.is_file():
+        return None
+    lines = path.read_text(errors="replace").rstrip().splitlines()
+    if starting is not None:
+        first = next((i for i, line in enumerate(lines) if line.startswith(starting)), None)
+        return None if first is None else "\n".join(lines[first:])
+    return lines[-1] if lines else None
+
+
+def main(work, out, device):
+    work, out = Path(work), Path(out)
+    stages = [line.split("\t") for line in (work / "stages.tsv").read_text().splitlines()]
+    stages.sort(key=lambda s: ORDER.index(s[0]) if s[0] in ORDER else len(ORDER))
+    md = ["# GPU check", "", f"Machine: {versions(device)}.", "",
+          "| stage | status | seconds | time box |", "|---|---|---|---|"]
+    md += [f"| {name} | {status} | {seconds} | {limit or '-'} |"
+           for name, status, seconds, limit in stages]
+    for name in ("loss", "step"):
+        text = (work / f"{name}.md").read_text() if (work / f"{name}.md").is_file() else None
+        md += ["", text.strip() if text else f"(no {name} table: see gpu-check.log)"]
+    md += ["", "Per-step profiles of each method: profile.txt."]
+    for name in ("attendout", "attendout_pruning"):
+        table = last_line(work / f"{name}.log", starting="Shape:")
+        if table:
+            md += ["", f"### AttendOut ({name})", "", table]
+    for name in ("cuda_tests", "fast_tier"):
+        md += ["", f"{name}: {last_line(work / f'{name}.log') or '(no output)'}"]
+    (out / "summary.md").write_text("\n".join(md) + "\n")
+
+    with open(out / "gpu-check.log", "w") as log:
+        for name in ORDER:
+            if (work / f"{name}.log").is_file():
+                log.write(f"===== {name}\n{(work / f'{name}.log').read_text(errors='replace')}\n")
+    for target, parts in (("bench_rdrop.json", ("loss", "step")),
+                          ("bench_attendout.json", ("attendout", "attendout_pruning"))):
+        merged = {p: json.loads((work / f"{p}.json").read_text())
+                  for p in parts if (work / f"{p}.json").is_file()}
+        (out / target).write_text(json.dumps(merged, indent=1))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
