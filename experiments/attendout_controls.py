@@ -122,7 +122,8 @@ def control(name, width, layers, seeds, args, costs=None):
     elif name == "budget":
         runs = [run(reward="noise", dim=width, layers=layers, seed=s, steps=args.deadline_step,
                     budget=args.budget, deadline_step=args.deadline_step,
-                    price=SEARCH_DEFAULTS["attendout_drop_price"]) for s in seeds]
+                    price=SEARCH_DEFAULTS["attendout_drop_price"],
+                    price_step=args.price_step) for s in seeds]
         passed = all(len(r["pruned"]) == args.budget
                      and max(r["pruned"].values()) <= args.deadline_step for r in runs)
         expected = f"exactly {args.budget} pruned by step {args.deadline_step}"
@@ -146,7 +147,8 @@ def control(name, width, layers, seeds, args, costs=None):
         best = sum(costs[i] for i in cheapest)
         runs = [run(reward="costs", dim=width, layers=layers, seed=s, steps=args.deadline_step,
                     costs=costs, budget=args.budget, deadline_step=args.deadline_step,
-                    price=SEARCH_DEFAULTS["attendout_drop_price"]) for s in seeds]
+                    price=SEARCH_DEFAULTS["attendout_drop_price"],
+                    price_step=args.price_step) for s in seeds]
         for r in runs:
             r["hit"] = sorted(r["pruned"]) == cheapest
             r["regret_per_layer"] = round((sum(costs[int(i)] for i in r["pruned"]) - best)
@@ -171,6 +173,9 @@ def main(argv=None):
     parser.add_argument("--budget", type=int, default=2, help="K for budget and costs")
     parser.add_argument("--deadline-step", type=int, default=50,
                         help="the pruning step by which the budget is filled")
+    parser.add_argument("--price-step", type=float,
+                        default=SEARCH_DEFAULTS["attendout_price_step"],
+                        help="--attendout-price-step of the budget and costs controls")
     parser.add_argument("--noise-steps", type=int, default=300)
     parser.add_argument("--price-steps", type=int, default=100)
     parser.add_argument("--drift-steps", type=int, default=2000)
@@ -180,6 +185,8 @@ def main(argv=None):
                         "stand-in profile")
     parser.add_argument("--work", type=Path, default=REPO / "work" / "attendout-controls")
     args = parser.parse_args(argv)
+    if not args.price_step >= 0:
+        parser.error(f"--price-step must be >= 0, got {args.price_step}")
     torch.set_num_threads(1)
     results = []
     for width in args.width:
@@ -200,7 +207,8 @@ def main(argv=None):
                   f"({result['expected']}); pruned layer@step per run: {pruned}; "
                   f"{result['seconds']} s", flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    write_json(args.work / "controls.json", {"defaults": SEARCH_DEFAULTS, "results": results})
+    write_json(args.work / "controls.json", {"defaults": SEARCH_DEFAULTS,
+                                             "price_step": args.price_step, "results": results})
     return 0 if all(r["passed"] for r in results) else 1
 
 

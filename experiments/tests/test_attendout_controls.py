@@ -52,3 +52,19 @@ def test_the_experiment_reports_each_control(tmp_path, capsys):
     assert "the 1 cheapest ([4])" in saved["results"][2]["expected"]
     budget = saved["results"][1]
     assert all(len(r["pruned"]) == 1 for r in budget["runs"])  # the deadline fills it
+
+
+def test_the_price_step_reaches_the_budget_controls(tmp_path):
+    """--price-step is the dual ascent's step of the budget and costs controls: at 0 the
+    price stays at its start, so a noise reward fills the budget only when the deadline
+    forces it; a negative step is refused before anything runs."""
+    argv = ["--width", "32", "--seeds", "0", "--deadline-step", "4", "--budget", "1",
+            "--controls", "budget", "--work", str(tmp_path)]
+    assert controls.main(argv + ["--price-step", "0"]) == 0
+    saved = json.loads((tmp_path / "controls.json").read_text())
+    assert saved["price_step"] == 0
+    (run,) = saved["results"][0]["runs"]
+    assert list(run["pruned"].values()) == [4] and run["price"] == 0.5
+    with pytest.raises(SystemExit):
+        controls.main(argv + ["--price-step", "-0.1", "--work", str(tmp_path / "no")])
+    assert not (tmp_path / "no").exists()
