@@ -103,8 +103,10 @@ train() {
   [ -z "${SETTINGS[5]:-}" ] || task_args+=(criterion.${SETTINGS[5]}=true)
   if [ -n "${TARGET_LAYERS:-}" ]; then
     (( ATTENDOUT )) || die "TARGET_LAYERS is AttendOut's budget: set MODE=attendout"
-    # validated from the deadline (the task's default: 40 % of the updates) on
+    # validated from the deadline (the task's default: 40 % of the updates) on; the price
+    # rises slower than the default for 12 layers (docs/attendout.md, the controls)
     task_args+=(task.attendout_target_layers="$TARGET_LAYERS"
+                task.attendout_price_step=0.03
                 dataset.validate_after_updates=$(( max_update * 2 / 5 )))
   fi
   # MNLI: valid = dev_matched, valid1 = dev_mismatched (quoted: hydra reads a,b as a sweep)

@@ -610,6 +610,7 @@ def test_attendout_modes_use_fairseqs_roberta_base_settings():
     o = overrides_of(dry_run("glue", "train", TASK="RTE", GPUS=1, MODE="attendout",
                              TARGET_LAYERS=10)[0][-1])
     assert o["task.attendout_target_layers"] == "10"
+    assert o["task.attendout_price_step"] == "0.03"  # 12 layers: the slower rise
     assert o["dataset.validate_after_updates"] == str(2036 * 2 // 5)
 
 
