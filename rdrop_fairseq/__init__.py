@@ -31,18 +31,33 @@ def register():
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls ``then()`` once ``import NAME`` has run, then leaves ``sys.meta_path``."""
+    """Calls ``then()`` once ``import NAME`` has run, then leaves ``sys.meta_path``.
+
+    A lookup alone (``importlib.util.find_spec(NAME)``, as libraries do to test whether a
+    package is installed) executes nothing: the hook stays until a module is really executed
+    with the spec it returned.
+    """
 
     name = then = None
+    _searching = False  # keeps the search below from coming back here
 
     def find_spec(self, name, path=None, target=None):
-        if name != self.name:
+        if name != self.name or self._searching:
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps the search below from coming back
-        spec = importlib.util.find_spec(name)
+        self._searching = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._searching = False
         if spec is not None and spec.loader is not None:
-            spec.loader = _Then(spec.loader, self.then)
+            spec.loader = _Then(spec.loader, self)
         return spec
+
+    def executed(self):
+        """The module ran: leave ``sys.meta_path`` (once), then call ``then()``."""
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        self.then()
 
 
 class _RegisterAfterFairseq(_AfterImport):
@@ -72,19 +87,19 @@ class _AllowListAfterTorch(_AfterImport):
 
 
 class _Then(importlib.abc.Loader):
-    """Loads a module with its own loader, puts that loader back, then calls ``then()``."""
+    """Loads a module with its own loader, puts that loader back, then tells the hook."""
 
-    def __init__(self, loader, then):
+    def __init__(self, loader, hook):
         self.loader = loader
-        self.then = then
+        self.hook = hook
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.loader
-        self.loader.exec_module(module)
-        self.then()
+        self.loader.exec_module(module)  # if this raises, the hook stays for the next try
+        self.hook.executed()
 
 
 # Importing the plugin (which is what --user-dir does) makes torch >= 2.6 load fairseq

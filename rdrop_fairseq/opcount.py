@@ -89,7 +89,10 @@ def _has_bool_index(args):
 
 class LiveBytes(TorchDispatchMode):
     """The bytes of the storages that ops allocate while active (``live``), and their
-    ``peak``: a storage counts from the op that makes it until it is freed."""
+    ``peak``: a storage counts from the op that makes it until it is freed. An output that
+    shares an input's storage (a view, an in-place or ``out=`` result) is no allocation: a
+    view of a weight made before the measurement (``F.linear`` transposes its weight) does
+    not count, nor does an optimizer step writing into the parameters."""
 
     def __init__(self):
         super().__init__()
@@ -101,9 +104,13 @@ class LiveBytes(TorchDispatchMode):
         self.storages.discard(key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)}
         for t in tree_flatten(out)[0]:
-            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self.storages:
+            if (torch.is_tensor(t) and t.untyped_storage().data_ptr() not in self.storages
+                    and t.untyped_storage().data_ptr() not in inputs):
                 storage = t.untyped_storage()
                 self.storages.add(storage.data_ptr())
                 self.live += storage.nbytes()

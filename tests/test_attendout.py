@@ -706,6 +706,54 @@ def test_a_skipped_update_leaves_no_action_in_the_cache(data, monkeypatch):
     assert model.generator.pruning_steps == 1
 
 
+def test_skipped_updates_do_not_count_in_the_pruning_statistic(data):
+    """The decision statistic (the gate's probability, the mean over the interval's examples)
+    covers the batches of applied updates only, like the cache: batches of an update that
+    fp16 overflow skipped count nowhere. Expected: the mean computed here over the applied
+    batches, which differs from the mean that also takes the skipped ones."""
+    task, model, criterion, cfg = build(data, "--attendout-interval", "2")
+    g = model.generator
+    with torch.no_grad():  # gate probabilities that differ from batch to batch
+        g.q_proj.weight.mul_(8.0)
+        g.k_proj.weight.mul_(8.0)
+    optimizer = Optimizer(cfg, model)
+    skipped = [make_sample(task, batch=12, seed=50), make_sample(task, batch=12, seed=51)]
+    applied = [make_sample(task, batch=4, seed=1), make_sample(task, batch=4, seed=2)]
+    pad = task.source_dictionary.pad()
+    expected = {}
+
+    def gate_sums(samples):  # (sum over the examples of each layer's gate probability, count)
+        with torch.no_grad():
+            probs = [g.gate_logits(task._drop_logits(model, s["net_input"]["src_tokens"],
+                                                     s["net_input"]["src_tokens"].eq(pad)),
+                                   s["net_input"]["src_tokens"].eq(pad)).sigmoid()
+                     for s in samples]
+        return sum(p.sum(0) for p in probs), sum(p.size(0) for p in probs)
+
+    original = task.pruning_step
+
+    def pruning_step(m, o, *a):  # the statistic is taken with the weights of this moment
+        model.eval()
+        total, n = gate_sums(applied)
+        total_all, n_all = gate_sums(applied + skipped)
+        model.train()
+        expected["applied"], expected["all"] = total / n, total_all / n_all
+        return original(m, o, *a)
+
+    task.pruning_step = pruning_step
+    optimizer.zero_grad()
+    for sample in skipped:  # fp16 overflow: no optimizer_step, zero_grad, the next update
+        task.train_step(sample, model, criterion, optimizer, 0)
+    optimizer.zero_grad()
+    for update, sample in enumerate(applied):
+        task.train_step(sample, model, criterion, optimizer, update)
+        task.optimizer_step(optimizer, model, update)
+        optimizer.zero_grad()
+    assert g.pruning_steps == 1
+    assert (expected["applied"] - expected["all"]).abs().max() > 1e-3  # the check can tell
+    torch.testing.assert_close(g.gate_prob, expected["applied"], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_sync_optimizer_state_copies_the_attackers_adam_moments(data, monkeypatch, precision):
     """--attendout-sync-optimizer-state: at D <- A, the defender's Adam moments become the
@@ -790,6 +838,39 @@ def test_defender_copy_reaches_fp16_master_weights(data, monkeypatch):
         for a, d in model.defender_pairs():
             assert torch.equal(a, d)
             assert torch.equal(masters[id(a)], masters[id(d)])
+
+
+def test_flat_masters_one_layout_for_the_copy_and_the_moments():
+    """Both D <- A paths (the master weights, the Adam moments) read one layout of the flat
+    fp32 master: the parameters one after another. A dict of one flat master per device
+    (fairseq's pipeline parallelism) is refused by both, with the same error, rather than
+    one of them silently taking the first device's master."""
+    from rdrop_fairseq.tasks.sentence_prediction_attendout import copy_optimizer_state
+
+    a, other, d = torch.zeros(2, 3), torch.zeros(4), torch.zeros(2, 3)  # 6 + 4 + 6 values
+    flat = torch.arange(16.0)
+    moments = torch.arange(100.0, 116.0)
+
+    def fake(masters):
+        return types.SimpleNamespace(fp16_params=[a, other, d], fp32_params=masters,
+                                     optimizer=types.SimpleNamespace(
+                                         state={flat: {"exp_avg": moments.clone(), "step": 3}}))
+
+    one = fake({0: flat})
+    views = fp32_master_views(one)
+    assert torch.equal(views[id(a)], torch.arange(0.0, 6.0).view(2, 3))
+    assert torch.equal(views[id(other)], torch.arange(6.0, 10.0))
+    assert torch.equal(views[id(d)], torch.arange(10.0, 16.0).view(2, 3))
+    copy_optimizer_state(one, [(a, d)])
+    expected = torch.cat([torch.arange(100.0, 110.0), torch.arange(100.0, 106.0)])
+    assert torch.equal(one.optimizer.state[flat]["exp_avg"], expected)
+    assert one.optimizer.state[flat]["step"] == 3
+
+    per_device = fake({0: flat, 1: torch.arange(16.0, 32.0)})
+    for copy in (lambda o: copy_optimizer_state(o, [(a, d)]), fp32_master_views):
+        with pytest.raises(ValueError, match="one flat fp32 master, got 2"):
+            copy(per_device)
+    assert torch.equal(per_device.optimizer.state[flat]["exp_avg"], moments)  # untouched
 
 
 def test_composes_with_rdrop_the_mask_is_shared_by_both_passes(data):

@@ -204,8 +204,17 @@ def test_pruned_layers_run_as_eq3_in_training_and_leave_the_policy(data):
     for pruned in (True, False):
         g.pruned[1] = pruned
         per_layer.append(g.action_log_prob(logits, seen[0], pad))
-    # 3 layers: the pruned one counts 0, so the difference is layer 1's own term / 3
-    assert (per_layer[0] - per_layer[1]).abs().min() > 0
+    # 3 layers: the pruned one counts 0, so the difference is layer 1's own term / 3. Its
+    # units all dropped: the term is log(q + (1 - q) prod_j p_j) over its valid units, q the
+    # gate's probability (computed here in float64)
+    keep = ~pad
+    valid = keep[:, :, None] & keep[:, None, :]
+    q = g.gate_logits(logits, pad)[:, 1].double().sigmoid()
+    log_prod = (F.logsigmoid(logits[:, 1].double()) * valid).sum((-1, -2))
+    term = torch.log(q + (1 - q) * log_prod.exp())
+    assert term.abs().min() > 1e-3  # a term that zero would not pass for
+    torch.testing.assert_close(per_layer[0].double(), per_layer[1].double() - term / 3,
+                               rtol=1e-5, atol=1e-6)
 
 
 # The controls (the generator alone under fixed rewards, at a real encoder's width) are

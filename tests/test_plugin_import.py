@@ -150,3 +150,56 @@ def test_importing_fairseq_later_registers_the_plugin():
     assert not {"_RegisterAfterFairseq", "_AllowListAfterTorch"} & set(found["left"])
     for registry, names in plugin_names().items():
         assert set(names) <= set(found["imported"][registry]), registry
+
+
+LOOKUPS = {  # what runs after the plugin (or before it), then the registries are read
+    # a library testing whether packages are installed: a lookup that executes nothing
+    "find_spec-then-import": """
+        import rdrop_fairseq
+        for name in ("fairseq", "torch", "fairseq", "torch"):
+            assert importlib.util.find_spec(name) is not None
+        hooks_after_lookups = [type(f).__name__ for f in sys.meta_path]
+        import fairseq
+    """,
+    "find_spec-then-import_module": """
+        import rdrop_fairseq
+        importlib.util.find_spec("torch"); importlib.util.find_spec("fairseq")
+        hooks_after_lookups = [type(f).__name__ for f in sys.meta_path]
+        importlib.import_module("fairseq")
+    """,
+    "fairseq-first-then-find_spec": """
+        import fairseq
+        importlib.util.find_spec("fairseq"); importlib.util.find_spec("torch")
+        import rdrop_fairseq
+        hooks_after_lookups = [type(f).__name__ for f in sys.meta_path]
+        importlib.util.find_spec("fairseq")
+    """,
+}
+
+
+@pytest.mark.parametrize("case", list(LOOKUPS))
+def test_a_lookup_does_not_spend_the_import_hooks(case):
+    """``importlib.util.find_spec`` executes nothing, so it must leave the hooks in place:
+    fairseq imported later (by ``import`` or ``import_module``) still gets the criteria, and
+    torch the checkpoint allow-list. Once the modules have run, no hook is left."""
+    out = python(textwrap.dedent("""
+        import argparse, importlib, importlib.util, json, sys
+    """) + textwrap.dedent(LOOKUPS[case]) + textwrap.dedent(f"""
+        import torch
+        from fairseq.criterions import CRITERION_REGISTRY
+        print(json.dumps({{
+            "hooks_after_lookups": hooks_after_lookups,
+            "left": [type(f).__name__ for f in sys.meta_path],
+            "allow_listed": {ALLOWED},
+            "criteria": sorted(CRITERION_REGISTRY),
+        }}))
+    """))
+    missing = set(plugin_names()["fairseq.criterions.CRITERION_REGISTRY"]) - set(out["criteria"])
+    assert not missing, f"criteria missing after {case}: {sorted(missing)}"
+    assert out["allow_listed"], case
+    ours = {"_RegisterAfterFairseq", "_AllowListAfterTorch"}
+    if case.startswith("fairseq-first"):  # both loaded when the plugin came: no hook needed
+        assert not ours & set(out["hooks_after_lookups"])
+    else:
+        assert ours <= set(out["hooks_after_lookups"]), out["hooks_after_lookups"]
+    assert not ours & set(out["left"]), out["left"]

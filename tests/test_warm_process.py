@@ -29,7 +29,14 @@ def test_stand_ins_run_fairseqs_tools_with_the_callers_cwd_env_and_exit_code(tmp
                            "train.txt", "--destdir", "bin", "--workers", "1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "| INFO |" not in proc.stderr  # LOGLEVEL of the caller's environment
+    # LOGLEVEL of the caller's environment: no INFO line anywhere (fairseq's tools log to
+    # stdout or stderr, depending on how logging was set up), where INFO logs some
+    assert "| INFO |" not in proc.stdout + proc.stderr
+    info = subprocess.run([stand_in("fairseq-preprocess"), "--only-source", "--trainpref",
+                           "train.txt", "--destdir", "bin-info", "--workers", "1"],
+                          cwd=tmp_path, env={**env, "LOGLEVEL": "INFO"}, capture_output=True,
+                          text=True, timeout=120)
+    assert info.returncode == 0 and "| INFO |" in info.stdout + info.stderr, info.stderr
     # relative paths: the caller's working directory
     assert (tmp_path / "bin" / "dict.txt").read_text().splitlines()[0] == "b 3"
     failed = subprocess.run([stand_in("fairseq-preprocess"), "--only-source", "--trainpref",

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from experiments import attendout_controls as controls
+from rdrop_fairseq.models.attendout_layers import SEARCH_DEFAULTS
 
 
 @pytest.mark.slow
@@ -24,16 +25,20 @@ def test_costs_the_budget_goes_to_the_cheapest_layers():
 
 
 @pytest.mark.slow
-def test_noise_without_a_price_prunes_nothing():
-    """A reward independent of the action, no price: 300 pruning steps prune nothing, in
-    either mode (a narrow generator, so that it is quick; the experiment runs 384 and
-    768)."""
-    for decision in ("layer", "unit"):
-        for seed in range(1):
-            result = controls.run(reward="noise", dim=64, layers=6, seed=seed, steps=300,
-                                  decision=decision)
-            assert result["pruned"] == {}, result
-            assert max(result["statistic"]) < 0.5
+def test_noise_without_a_price_prunes_nothing_where_a_price_prunes_every_layer():
+    """A reward independent of the action, no price: 300 pruning steps prune nothing. The
+    positive control, so that this means something: the same generator (width, seed, steps)
+    with the default price for dropping a layer prunes every layer well within those steps
+    (about 30 here). Layer mode, the default; the unit mode's generator cannot reach the
+    threshold in 300 steps at the task's learning rate whatever the reward (its statistic
+    needs every unit's probability past 0.5), so a noise run there shows nothing."""
+    noise = controls.run(reward="noise", dim=64, layers=6, seed=0, steps=300)
+    assert noise["pruned"] == {}, noise
+    assert max(noise["statistic"]) < 0.5
+    priced = controls.run(reward="noise", dim=64, layers=6, seed=0, steps=300,
+                          price=SEARCH_DEFAULTS["attendout_drop_price"])
+    assert sorted(priced["pruned"]) == list(range(6)), priced
+    assert max(priced["pruned"].values()) < 150, priced
 
 
 def test_the_experiment_reports_each_control(tmp_path, capsys):

@@ -514,32 +514,52 @@ def _amp_scale(optimizer):
     return optimizer.scaler.get_scale() if isinstance(optimizer, _amp_optimizer_types()) else None
 
 
-def copy_optimizer_state(optimizer, pairs):
-    """Copy the per-parameter optimizer state (Adam's moments) of each ``(attacker, defender)``
-    parameter pair, wherever fairseq's optimizer keeps it: keyed by the model's parameters
-    (fp32, --amp, --memory-efficient-fp16), by their fp32 master copies (--bf16, which
-    fairseq never flattens, or --fp16 with --fp16-no-flatten-grads) or in slices of one flat
-    master (--fp16)."""
-    state = optimizer.optimizer.state
+def fp32_masters(optimizer):
+    """Where fairseq's FP16Optimizer keeps the fp32 master copy of each model parameter:
+    ``None`` without masters (fp32, --amp, --memory-efficient-fp16); ``("list", {id(model
+    parameter): its master})`` (--bf16, which fairseq never flattens, or --fp16 with
+    --fp16-no-flatten-grads); ``("flat", flat master, {id(model parameter): its slice})``
+    (--fp16: the parameters one after another in one flat tensor).
+
+    A flat master per device (fairseq's pipeline parallelism) raises: AttendOut runs on one
+    GPU."""
     masters = getattr(optimizer, "fp32_params", None)
     params = getattr(optimizer, "fp16_params", None)
     if masters is None or params is None:
-        keys = {}
-    elif isinstance(masters, list):
-        keys = {id(p): m for p, m in zip(params, masters)}
-    else:
-        flat = next(iter(masters.values())) if isinstance(masters, dict) else masters
-        flat_state = state.get(flat, {})
-        slices, offset = {}, 0
-        for p in params:
-            slices[id(p)] = slice(offset, offset + p.numel())
-            offset += p.numel()
+        return None
+    if isinstance(masters, list):
+        return "list", {id(p): m for p, m in zip(params, masters)}
+    if isinstance(masters, dict):
+        if len(masters) != 1:
+            raise ValueError(
+                f"AttendOut needs one flat fp32 master, got {len(masters)} (one per device: "
+                "pipeline parallelism); AttendOut runs on one GPU")
+        masters = next(iter(masters.values()))
+    slices, offset = {}, 0
+    for p in params:
+        slices[id(p)] = slice(offset, offset + p.numel())
+        offset += p.numel()
+    if offset != masters.numel():
+        raise ValueError(f"the flat fp32 master holds {masters.numel()} values, the model's "
+                         f"parameters {offset}")
+    return "flat", masters, slices
+
+
+def copy_optimizer_state(optimizer, pairs):
+    """Copy the per-parameter optimizer state (Adam's moments) of each ``(attacker, defender)``
+    parameter pair, wherever fairseq's optimizer keeps it (:func:`fp32_masters`): keyed by
+    the model's parameters, by their fp32 master copies, or in slices of one flat master."""
+    state = optimizer.optimizer.state
+    masters = fp32_masters(optimizer)
+    if masters is not None and masters[0] == "flat":
+        _, flat, slices = masters
         with torch.no_grad():
-            for value in flat_state.values():
+            for value in state.get(flat, {}).values():
                 if torch.is_tensor(value) and value.numel() == flat.numel():
                     for a, d in pairs:
                         value[slices[id(d)]] = value[slices[id(a)]]
         return
+    keys = {} if masters is None else masters[1]
     for a, d in pairs:
         a, d = keys.get(id(a), a), keys.get(id(d), d)
         if a in state:
@@ -548,23 +568,16 @@ def copy_optimizer_state(optimizer, pairs):
 
 def fp32_master_views(optimizer):
     """``{id(model parameter): its fp32 master copy}`` for fairseq's FP16Optimizer (flat or
-    not); None for optimizers without masters (fp32, --amp, --memory-efficient-fp16)."""
-    masters = getattr(optimizer, "fp32_params", None)
-    params = getattr(optimizer, "fp16_params", None)
-    if masters is None or params is None:
+    not; :func:`fp32_masters`); None for optimizers without masters (fp32, --amp,
+    --memory-efficient-fp16)."""
+    masters = fp32_masters(optimizer)
+    if masters is None:
         return None
-    if isinstance(masters, list):
-        return {id(p): m.data for p, m in zip(params, masters)}
-    if isinstance(masters, dict):
-        if len(masters) != 1:
-            raise ValueError("AttendOut does not support pipeline-parallel fp16 masters")
-        masters = next(iter(masters.values()))
-    views, offset = {}, 0
-    for p in params:
-        n = p.numel()
-        views[id(p)] = masters.data[offset:offset + n].view_as(p)
-        offset += n
-    return views
+    if masters[0] == "list":
+        return {key: m.data for key, m in masters[1].items()}
+    _, flat, slices = masters
+    params = {id(p): p for p in optimizer.fp16_params}
+    return {key: flat.data[s].view_as(params[key]) for key, s in slices.items()}
 
 
 class HeadOutputs:
