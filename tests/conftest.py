@@ -15,6 +15,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SLOWEST_FIRST = [
     "tests/test_demo_rerun.py",  # one test of 84 s: it ran last at d5c6e97
     "tests/test_attendout_gate.py",
+    "experiments/tests/test_attendout_controls.py",  # the noise control and its positive one
+    "tests/test_attendout_search.py",
     "tests/test_translation_recipe.py",
     "experiments/tests/test_libreoffice_summaries.py",
     "experiments/tests/test_sotu_glue.py",

@@ -324,10 +324,17 @@ def test_an_unknown_decision_mode_is_refused(data, capsys):
 
 
 @pytest.mark.slow
-def test_static_pruning_with_the_attendout_task_leaves_nothing_behind(data, tmp_path):
-    cmd = train_cmd(data, tmp_path / "ckpt", "--attendout-static-prune-layers", "1")
+@pytest.mark.parametrize("flags, message", [
+    (["--attendout-static-prune-layers", "1"],
+     "use --task sentence_prediction, not sentence_prediction_attendout"),
+    (["--attendout-target-layers", "5"], "--attendout-target-layers must be in 1..2"),
+], ids=["static-with-the-attendout-task", "budget-out-of-range"])
+def test_bad_attendout_options_leave_nothing_behind(data, tmp_path, flags, message):
+    """A real fairseq-train process: refused while the options are parsed, before the
+    save directory or a log is made."""
+    cmd = train_cmd(data, tmp_path / "ckpt", *flags)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300,
                           env={"PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp"})
     assert proc.returncode != 0
-    assert "use --task sentence_prediction, not sentence_prediction_attendout" in proc.stderr
+    assert message in proc.stderr
     assert list(tmp_path.iterdir()) == []  # no save dir, no log

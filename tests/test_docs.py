@@ -9,10 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
-# being rewritten with new evidence: to be added once that lands
-PENDING = {"attendout.md", "attendout-results.md"}
-USER_DOCS = [REPO / "README.md", REPO / "experiments" / "README.md",
-             *(p for p in sorted(DOCS.glob("*.md")) if p.name not in PENDING)]
+USER_DOCS = [REPO / "README.md", REPO / "experiments" / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
 def text(path):
