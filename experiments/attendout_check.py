@@ -457,7 +457,7 @@ def plot(results, root, args):
             panels[task] = results
         elif saved.is_file():
             panels[task] = json.loads(saved.read_text())["runs"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
     for ax, (task, runs) in zip(axes[0], panels.items()):
         plot_panel(ax, runs, task, args.updates)
     fig.tight_layout()
@@ -490,7 +490,7 @@ def plot_panel(ax, results, task, updates):
     ax.set_ylabel("test accuracy (%)")
     ax.set_xticks(range(LAYERS))
     ax.set_title(f"{TASKS[task][0]} ({updates} updates; seeds as dots)", fontsize=10)
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
 
 
 def main(argv=None):
