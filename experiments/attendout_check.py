@@ -317,10 +317,14 @@ def train_batches(task, batch_size=32):
     return list(itr)
 
 
+def run_dir_of(work, mode, seed):
+    return work / "runs" / f"{mode}_seed{seed}"
+
+
 def one_run(mode, seed, data_bin, encoder, work, args):
     from benchmarks.bench_attendout import mac_ratio
 
-    run_dir = work / "runs" / f"{mode}_seed{seed}"
+    run_dir = run_dir_of(work, mode, seed)
     result_path = run_dir / "result.json"
     if result_path.is_file():
         return json.loads(result_path.read_text())
@@ -530,9 +534,9 @@ def main(argv=None):
         args.plot = str(REPO / "docs" / "img" / "attendout_evidence.png")
     root = args.work.resolve()
     work = root / args.task
+    runs = [(mode, seed) for seed in args.seeds for mode in MODES if mode in args.modes]
     if args.summary_only:
-        found = [work / "runs" / f"{mode}_seed{seed}" / "result.json"
-                 for seed in args.seeds for mode in MODES if mode in args.modes]
+        found = [run_dir_of(work, mode, seed) / "result.json" for mode, seed in runs]
         results = [json.loads(path.read_text()) for path in found if path.is_file()]
         if not results:
             parser.error(f"no finished run of those arms and seeds in {work}")
@@ -543,12 +547,11 @@ def main(argv=None):
     data_bin = (work / "bin" if (work / "bin" / "done").is_file() else encode_data(
         work, encoder, read_task(args.task, work, args.sotu_source), args.max_tokens))
     results = []
-    for seed in args.seeds:
-        for mode in [m for m in MODES if m in args.modes]:
-            result = one_run(mode, seed, data_bin, encoder, work, args)
-            print(json.dumps({k: v for k, v in result.items()
-                              if k not in ("export_report", "trace")}), flush=True)
-            results.append(result)
+    for mode, seed in runs:
+        result = one_run(mode, seed, data_bin, encoder, work, args)
+        print(json.dumps({k: v for k, v in result.items()
+                          if k not in ("export_report", "trace")}), flush=True)
+        results.append(result)
     summarize(results, work, args)
     return 0
 
