@@ -1,10 +1,13 @@
 """End-to-end tests of the plugin through fairseq's real command-line tools.
 
 Every test runs ``fairseq-preprocess``/``-train``/``-generate``/``-eval-lm``/``-hydra-train``
-(from the environment that runs pytest) as a subprocess on tiny generated data, with
-``--user-dir $(python -m rdrop_fairseq)``, and asserts on what the tools print and write.
-Data is preprocessed once per kind and trained checkpoints are shared (session fixtures);
-tiny models, ``--cpu``, a few hundred updates at most.
+(from the environment that runs pytest) on tiny generated data, with ``--user-dir $(python
+-m rdrop_fairseq)``, and asserts on what the tools print and write. The tools start warm
+(forked from a process that has their libraries loaded, tests/warm_process.py) unless
+``run(..., warm=False)``: the "real processes" tests at the end run each tool as a real
+process and check that it gives what the warm one gives; ``fairseq-hydra-train`` runs as a
+real process only. Data is preprocessed once per kind and trained checkpoints are shared
+(session fixtures); tiny models, ``--cpu``, a few hundred updates at most.
 """
 
 import math
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.warm_process import run_command
+from tests.warm_process import forks_warm, run_command
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -46,11 +49,15 @@ def run(cmd, cwd, timeout=TIMEOUT_S, warm=True):
     (CUDA_VISIBLE_DEVICES empty): the suite's commands are CPU runs, and stay so where
     CUDA is visible (fairseq's defaults follow the GPU count).
     """
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="")
-    proc = run_command(cmd, cwd, env, timeout, warm=warm)
+    proc = run_command(cmd, cwd, tool_env(), timeout, warm=warm)
     proc.output = proc.stdout + "\n" + proc.stderr
     return proc
+
+
+def tool_env():
+    """The environment ``run`` gives a command."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                CUDA_VISIBLE_DEVICES="")
 
 
 def tail(proc, chars=4000):
@@ -604,6 +611,7 @@ def test_two_passes_without_kl_ablation_from_the_cli(translation_data, user_dir,
 
 
 def test_hydra_train_with_shipped_config(translation_data, user_dir, tmp_path):
+    """A real fairseq-hydra-train process (hydra sets up its own logging and run directory)."""
     save_dir = tmp_path / "ckpt"
     proc = check_ok(run([
         tool("fairseq-hydra-train"), "--config-dir", REPO / "configs",
@@ -614,7 +622,7 @@ def test_hydra_train_with_shipped_config(translation_data, user_dir, tmp_path):
         "model.encoder_layers=1", "model.decoder_layers=1",
         "model.encoder_embed_dim=32", "model.decoder_embed_dim=32",
         "model.encoder_ffn_embed_dim=64", "model.decoder_ffn_embed_dim=64",
-    ], cwd=tmp_path))
+    ], cwd=tmp_path, warm=False))
     stats = parse_stats(proc.stdout)
     assert stats["train"], "no training statistics in hydra's log" + tail(proc)
     for line in stats["train"]:
@@ -624,3 +632,81 @@ def test_hydra_train_with_shipped_config(translation_data, user_dir, tmp_path):
                                   for line in stats["valid"]), stats["valid"]
     assert (save_dir / "checkpoint_last.pt").is_file(), tail(proc)
     assert (tmp_path / "outputs").is_dir()  # hydra's run directory, in the cwd
+
+
+# --------------------------------------------------------------------------- real processes
+# The tests above start fairseq's tools warm (tests/warm_process.py). These run each tool
+# the project's recipes start as a real process, to completion, and check that it gives
+# what the warm one gives: the same files, statistics, hypotheses and perplexity.
+
+
+def test_real_fairseq_preprocess_writes_what_the_warm_one_wrote(translation_data, tmp_path):
+    raw = translation_data.parent / "raw"
+    assert forks_warm([tool("fairseq-preprocess")], tool_env())  # the fixture's ran warm
+    proc = check_ok(run([tool("fairseq-preprocess"), "--source-lang", "de", "--target-lang",
+                         "en", "--trainpref", raw / "train", "--validpref", raw / "valid",
+                         "--testpref", raw / "test", "--destdir", tmp_path / "bin",
+                         "--joined-dictionary", "--workers", "1"], cwd=tmp_path, warm=False))
+    # a real fairseq-preprocess: fairseq's import set logging up first (stderr, Python's
+    # default format)
+    assert "INFO:fairseq_cli.preprocess:Wrote preprocessed data to" in proc.stderr, tail(proc)
+    written = sorted(p.name for p in translation_data.iterdir())
+    assert sorted(p.name for p in (tmp_path / "bin").iterdir()) == written
+    for name in written:  # preprocess.log: the same but for the --destdir it names
+        real, warm = ((d / name).read_text(errors="replace").replace(str(d), "DEST")
+                      for d in (tmp_path / "bin", translation_data))
+        assert real == warm, name
+
+
+def test_real_fairseq_train_and_generate_give_what_the_warm_ones_give(
+        translation_data, user_dir, tmp_path):
+    import torch
+
+    from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
+
+    assert forks_warm([tool("fairseq-train")], tool_env())  # warm against real, not real twice
+    runs = {}
+    for kind in ("real", "warm"):
+        save_dir = tmp_path / kind
+        save_dir.mkdir()
+        train = check_ok(run(rdrop_translation_cmd(translation_data, user_dir, save_dir, 12),
+                             cwd=save_dir, warm=kind == "warm"))
+        generate = check_ok(run([tool("fairseq-generate"),
+                                 *generate_args(translation_data, save_dir / "checkpoint_last.pt"),
+                                 "--user-dir", user_dir], cwd=save_dir, warm=kind == "warm"))
+        runs[kind] = train, generate, save_dir
+    (real, real_generate, real_dir), (warm, warm_generate, warm_dir) = runs["real"], runs["warm"]
+    # setup.sh installs tensorboardX: fairseq's import does not ask for it (the control, a
+    # process where it cannot be imported, is in tests/test_warm_process.py)
+    assert "Please install tensorboardX" not in real.output
+    real_stats, warm_stats = parse_stats(real.stdout), parse_stats(warm.stdout)
+    assert real_stats["train"][-1]["num_updates"] == 12, tail(real)
+    assert positive_finite(real_stats["train"][-1].get("rdrop_kl")), tail(real)
+    for logger in ("train_inner", "train", "valid"):
+        keep = ("loss", "nll_loss", "rdrop_kl", "bleu", "num_updates")
+        assert ([{k: v for k, v in line.items() if k in keep} for line in real_stats[logger]]
+                == [{k: v for k, v in line.items() if k in keep}
+                    for line in warm_stats[logger]]), logger
+    allow_fairseq_checkpoint_globals()
+    real_model, warm_model = (torch.load(d / "checkpoint_last.pt", map_location="cpu")["model"]
+                              for d in (real_dir, warm_dir))
+    assert real_model.keys() == warm_model.keys()
+    assert all(torch.equal(real_model[k], warm_model[k]) for k in real_model)
+    assert parse_hypotheses(real_generate.stdout) == parse_hypotheses(warm_generate.stdout)
+    assert len(parse_hypotheses(real_generate.stdout)) == TRANSLATION_SPLITS["test"]
+
+
+def test_real_fairseq_eval_lm_gives_the_warm_ones_perplexity(lm_data, user_dir, tmp_path):
+    check_ok(run(lm_train_cmd(lm_data, user_dir, tmp_path,
+                              *lm_model_args("cross_entropy_rdrop", lm_data),
+                              "--criterion", "cross_entropy_rdrop", "--rdrop-alpha", "1",
+                              "--max-update", "8"), cwd=tmp_path))
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    assert forks_warm([tool("fairseq-eval-lm")], tool_env())
+    real = run([tool("fairseq-eval-lm"), lm_data, "--user-dir", user_dir, "--path", checkpoint,
+                "--gen-subset", "test", "--tokens-per-sample", "32", "--max-tokens", "512",
+                "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-format", "simple"],
+               cwd=tmp_path, warm=False)
+    check_perplexity(real, lm_data)
+    assert parse_eval_lm(real.output) == parse_eval_lm(
+        eval_lm(lm_data, user_dir, checkpoint, tmp_path).output)

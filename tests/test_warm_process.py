@@ -22,29 +22,44 @@ def stand_in(name):
     return os.path.join(fairseq_bin(), name)
 
 
+def caller_env(**extra):
+    """The test worker's environment with fairseq's tools first on PATH and ``extra``: the
+    variables the warm server started with (it can fork these commands), whatever they
+    are where the suite runs."""
+    return {**os.environ, "PATH": f"{REAL_BIN}:/usr/bin:/bin", **extra}
+
+
+def preprocess(tool, cwd, *extra, env=None):
+    """``tool`` (a fairseq-preprocess) on ``cwd``/train.txt, its output in ``cwd``/bin."""
+    env = env or caller_env(LOGLEVEL="WARNING")
+    return subprocess.run([tool, "--only-source", "--trainpref", "train.txt", "--destdir",
+                           "bin", "--workers", "1", *extra], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_stand_ins_run_fairseqs_tools_with_the_callers_cwd_env_and_exit_code(tmp_path):
-    (tmp_path / "train.txt").write_text("b a b\nc b\n")
-    env = {"PATH": f"{REAL_BIN}:/usr/bin:/bin", "LOGLEVEL": "WARNING"}
-    proc = subprocess.run([stand_in("fairseq-preprocess"), "--only-source", "--trainpref",
-                           "train.txt", "--destdir", "bin", "--workers", "1"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    # LOGLEVEL of the caller's environment: no INFO line anywhere (fairseq's tools log to
-    # stdout or stderr, depending on how logging was set up), where INFO logs some
-    assert "| INFO |" not in proc.stdout + proc.stderr
-    info = subprocess.run([stand_in("fairseq-preprocess"), "--only-source", "--trainpref",
-                           "train.txt", "--destdir", "bin-info", "--workers", "1"],
-                          cwd=tmp_path, env={**env, "LOGLEVEL": "INFO"}, capture_output=True,
-                          text=True, timeout=120)
-    assert info.returncode == 0 and "| INFO |" in info.stdout + info.stderr, info.stderr
+    warm_dir, real_dir = tmp_path / "warm", tmp_path / "real"
+    for directory in (warm_dir, real_dir):
+        directory.mkdir()
+        (directory / "train.txt").write_text("b a b\nc b\n")
+    assert warm_process.forks_warm([REAL_BIN / "fairseq-preprocess"], caller_env())
+    proc = preprocess(stand_in("fairseq-preprocess"), warm_dir)
+    real = preprocess(str(REAL_BIN / "fairseq-preprocess"), real_dir)
+    assert proc.returncode == real.returncode == 0, proc.stderr + real.stderr
+    # what it prints, where: exactly a real process's. fairseq-preprocess logs its INFO
+    # lines on stderr in Python's default format whatever LOGLEVEL says (fairseq's import
+    # sets logging up before the tool's own basicConfig would read LOGLEVEL)
+    assert "INFO:fairseq_cli.preprocess:Wrote preprocessed data to bin" in real.stderr
+    assert (proc.stdout, proc.stderr) == (real.stdout, real.stderr)
     # relative paths: the caller's working directory
-    assert (tmp_path / "bin" / "dict.txt").read_text().splitlines()[0] == "b 3"
-    failed = subprocess.run([stand_in("fairseq-preprocess"), "--only-source", "--trainpref",
-                             "missing.txt", "--destdir", "bin2", "--workers", "1"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert failed.returncode == 1 and "missing.txt" in failed.stderr
-    # fairseq's other tools are the real ones
-    assert os.path.realpath(stand_in("fairseq-score")) == str(REAL_BIN / "fairseq-score")
+    assert (warm_dir / "bin" / "dict.txt").read_text().splitlines()[0] == "b 3"
+    assert (warm_dir / "bin" / "dict.txt").read_bytes() == (real_dir / "bin" / "dict.txt").read_bytes()
+    (tmp_path / "empty").mkdir()
+    failed = preprocess(stand_in("fairseq-preprocess"), tmp_path / "empty")
+    assert failed.returncode == 1 and "train.txt" in failed.stderr, failed.stderr
+    # every console script of fairseq's distribution has its stand-in
+    assert sorted(p.name for p in Path(fairseq_bin()).glob("fairseq-*")) == sorted(
+        p.name for p in REAL_BIN.glob("fairseq-*"))
 
 
 def cli_main():
@@ -62,22 +77,59 @@ def test_the_warm_server_sees_no_gpu_and_a_command_gets_the_callers_gpus_back(
     initialises CUDA, and every command forked from it would find CUDA unusable. So the
     server starts with CUDA_VISIBLE_DEVICES empty, and each command has its caller's."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    monkeypatch.setitem(warm_process.FAIRSEQ_TOOLS, "probe", __name__)
+    monkeypatch.setitem(warm_process.FAIRSEQ_TOOLS, "probe", f"{__name__}:cli_main")
     proc = warm_process.run_warm([REAL_BIN / "probe"], tmp_path,
-                                 {"CUDA_VISIBLE_DEVICES": "1", "PATH": "/usr/bin:/bin"}, 60)
+                                 {**os.environ, "CUDA_VISIBLE_DEVICES": "1"}, 60)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"command": "1", "server": ""}
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the caller's own left as it was
 
 
-def blocked_preprocess(tmp_path):
+def test_a_command_whose_start_the_server_cannot_give_runs_as_a_real_process(tmp_path):
+    """PYTHONPATH with another copy of a library the server has loaded (a tensorboardX that
+    cannot be imported): the real tool runs in the forked child's place and fairseq's
+    import asks for tensorboardX, as it does in a real process; without it, it does not
+    (scripts/setup.sh installs it), so a check for that message means something."""
+    (tmp_path / "train.txt").write_text("b a b\nc b\n")
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "tensorboardX.py").write_text("raise ImportError('shadowed by the test')\n")
+    proc = preprocess(stand_in("fairseq-preprocess"), tmp_path,
+                      env=caller_env(PYTHONPATH=str(shadow)))
+    assert proc.returncode == 0, proc.stderr
+    assert "Please install tensorboardX" in proc.stdout + proc.stderr
+    clean = preprocess(stand_in("fairseq-preprocess"), tmp_path, "--destdir", "bin2")
+    assert clean.returncode == 0 and "Please install tensorboardX" not in clean.stderr
+
+
+def test_which_environments_a_forked_command_can_take():
+    server = {"PATH": "/bin", "PYTHONHASHSEED": "1", "OMP_NUM_THREADS": "2", "HOME": "/a"}
+    same = {**server, "HOME": "/b", "PYTHONPATH": "/x", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0"}  # applied by the child
+    assert warm_process.not_warm_because(same, server) is None
+    assert "PYTHONHASHSEED" in warm_process.not_warm_because({**same, "PYTHONHASHSEED": "2"},
+                                                             server)
+    assert "LD_PRELOAD" in warm_process.not_warm_because({**same, "LD_PRELOAD": "x.so"},
+                                                         server)
+    assert warm_process.not_warm_because({**same, "MKL_NUM_THREADS": "4"}, server)
+    no_threads = {k: v for k, v in same.items() if k != "OMP_NUM_THREADS"}
+    assert warm_process.not_warm_because(no_threads, server)  # a real one would use all cores
+    path, entries = warm_process.fresh_sys_path("/venv/bin/tool", "/work",
+                                                {"PYTHONPATH": "rel::/abs"}, ["/lib", "/abs"])
+    assert path == ["/venv/bin", "/work/rel", "/work", "/abs", "/lib"]
+    assert entries == ["/work/rel", "/work", "/abs"]
+
+
+def blocked_preprocess(tmp_path, sigint=signal.SIG_DFL):
     """A stand-in fairseq-preprocess whose training text is a named pipe that nobody
-    writes to: it blocks opening it until stopped."""
+    writes to: it blocks opening it until stopped. SIGINT as a terminal's foreground job
+    has it (``sigint``: SIG_IGN, as a non-interactive shell's background job has it),
+    whatever the test runner was started with."""
     os.mkfifo(tmp_path / "train.txt")
     proc = subprocess.Popen([stand_in("fairseq-preprocess"), "--only-source", "--trainpref",
                              "train.txt", "--destdir", "bin", "--workers", "1"], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={"PATH": f"{REAL_BIN}:/usr/bin:/bin"})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=caller_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
     time.sleep(3)
     assert proc.poll() is None, proc.communicate()
     assert len(running_in(tmp_path)) == 2  # the stand-in and the command
@@ -102,6 +154,16 @@ def test_a_signal_to_the_stand_in_reaches_the_command(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "KeyboardInterrupt" in err.decode(), err.decode()[-2000:]
     assert not running_in(tmp_path)
+
+
+def test_a_command_started_with_sigint_ignored_ignores_it_as_a_real_one_would(tmp_path):
+    proc = blocked_preprocess(tmp_path, sigint=signal.SIG_IGN)
+    proc.send_signal(signal.SIGINT)  # the stand-in ignores it, and so does the command
+    time.sleep(1)
+    assert proc.poll() is None and len(running_in(tmp_path)) == 2
+    proc.terminate()
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM and not running_in(tmp_path)
 
 
 def test_a_killed_stand_in_leaves_no_command_running(tmp_path):

@@ -2,7 +2,9 @@
 gives out (as FAIRSEQ_BIN): it hands its command line, working directory, environment and
 standard input, output and error to the test worker that wrote it, which forks the command
 warm (tests/warm_process.py), and it exits as the command does. A signal it gets (a
-Ctrl-C, a recipe stopping its jobs) goes on to the command.
+Ctrl-C, a recipe stopping its jobs) goes on to the command; one it was started with
+ignored (SIGINT in a non-interactive shell's background job) the command ignores too, as
+a real one would.
 
 Written into each stand-in after a header that sets SOCKET; standard library only, run
 with ``python -S`` so that it starts in milliseconds."""
@@ -27,16 +29,26 @@ def receive(conn, size):
     return data
 
 
+def ignored_signals():
+    """The signals this process was started with ignored (a real command would inherit
+    that: e.g. SIGINT in a non-interactive shell's background job)."""
+    return [int(sig) for sig in FORWARDED if signal.getsignal(sig) == signal.SIG_IGN]
+
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 def main(path):
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
-    request = json.dumps({"argv": sys.argv, "cwd": os.getcwd(),
-                          "env": dict(os.environ)}).encode()
+    ignored = ignored_signals()
+    request = json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ),
+                          "ignored": ignored}).encode()
     socket.send_fds(conn, [struct.pack("!Q", len(request))], [0, 1, 2])
     conn.sendall(request)
     try:
         pid = struct.unpack("!i", receive(conn, 4))[0]
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        for sig in set(FORWARDED) - set(ignored):  # an ignored one stays ignored
             signal.signal(sig, lambda number, _: os.kill(pid, number))
         code = struct.unpack("!i", receive(conn, 4))[0]
     except EOFError:

@@ -1,34 +1,57 @@
-"""Run fairseq's command-line tools in a fresh process that starts with torch and fairseq
-already imported.
+"""Run fairseq's command-line tools in a fresh process that starts with the libraries they
+use already imported.
 
-Every fairseq command a test runs would otherwise import torch and fairseq again: 3.4 s of
-the interpreter's start here (``python -X importtime -c "import fairseq_cli.train"``; 1.1 s
-of it is scikit-learn, imported by fairseq's sentence_prediction criterion), paid hundreds of
-times by the suite. Here a server process (multiprocessing's ``forkserver``, one per test
-worker) imports them once, and each command is a process forked from it: its own pid,
-working directory, environment, ``sys.argv``, standard output and error (files, read back),
-exit code and time-out, as with ``subprocess.run``.
+Every fairseq command a test runs would otherwise import torch, scipy, scikit-learn, hydra
+and fairseq again: 3.0 s of the interpreter's start here (``python -X importtime -c "import
+fairseq_cli.train"``), paid hundreds of times by the suite. Here a server process
+(multiprocessing's ``forkserver``, one per test worker) imports them once
+(tests/warm_server.py), and each command is a process forked from it: its own pid, working
+directory, environment, ``sys.argv``, standard input, output and error, exit code and
+time-out, as with ``subprocess.run``.
 
-What differs from a new interpreter, and so is left to real subprocesses: what the tools
-print or do *while being imported* (it happened once, in the server: e.g. fairseq's "Please
-install tensorboardX"), and anything about which modules a fresh interpreter imports. The
-plugin itself is not preloaded: ``--user-dir`` imports it in each command, as in a real run.
-The server imports fairseq_cli.train first, which sets up the root logger before it imports
-fairseq (as every fairseq tool does), so the tools log as they would in a new process.
-Other commands (``python -m``, scripts) and ``run(..., warm=False)`` in the test helpers
-stay real subprocesses.
+What a command does the way a new process does:
+
+* it imports fairseq itself (the server forgot fairseq's modules after loading the
+  libraries): fairseq's logging set-up, which differs between the tools (``fairseq-train``
+  logs to stdout in fairseq's format, ``fairseq-preprocess`` and ``-hydra-train`` to
+  stderr in Python's default one), its messages while being imported ("Please install
+  tensorboardX"), its registries, and the plugin through ``--user-dir``;
+* ``sys.path`` is a new interpreter's for the console script: the script's directory,
+  PYTHONPATH (relative entries from the command's working directory), then the
+  interpreter's own (not the test worker's);
+* ``sys.stdin``, ``sys.stdout`` and ``sys.stderr`` are new, buffered as PYTHONUNBUFFERED
+  says; ``sys.dont_write_bytecode`` follows PYTHONDONTWRITEBYTECODE; torch's threads follow
+  OMP_NUM_THREADS / MKL_NUM_THREADS; CUDA_VISIBLE_DEVICES and the rest of the environment
+  are the command's before any of it runs.
+
+Where that cannot be (a variable read while the interpreter starts or torch loads differs
+from the one the server started with: any other ``PYTHON*``, ``OMP_*``, ``MKL_*``,
+``GOMP_*``, ``OPENBLAS_*``, ``TORCH_*``, ``PYTORCH_*``, ``MALLOC_*``, LD_PRELOAD,
+LD_LIBRARY_PATH; or
+PYTHONPATH holds another copy of a library the server loaded), the forked child executes
+the real console script instead: a real process, in the same place.
+
+What still differs from a new process: the libraries the server loaded are loaded once, so
+what *they* print or warn while being imported happened once, in the server, and state
+that fairseq's import leaves in them (hydra's config store, torch's) is the server's
+import's, then the command's; the locale's encoding of the standard streams is the
+server's; the command is a child of the server, not of its caller (see ``fairseq_bin``).
+``run(..., warm=False)`` in the test helpers, and commands other than fairseq's console
+scripts (``python -m``, scripts), are real subprocesses.
 """
 
 import atexit
 import importlib
+import importlib.machinery
+import io
 import json
-import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -36,32 +59,51 @@ import sys
 import tempfile
 import threading
 import traceback
+from importlib.metadata import distribution, packages_distributions
 from pathlib import Path
 
-from tests.warm_client import receive
+from tests.warm_client import FORWARDED, ignored_signals, receive
 
-# console script -> module with cli_main (fairseq's entry_points.txt)
-FAIRSEQ_TOOLS = {
-    "fairseq-preprocess": "fairseq_cli.preprocess",
-    "fairseq-train": "fairseq_cli.train",
-    "fairseq-hydra-train": "fairseq_cli.hydra_train",
-    "fairseq-generate": "fairseq_cli.generate",
-    "fairseq-interactive": "fairseq_cli.interactive",
-    "fairseq-validate": "fairseq_cli.validate",
-    "fairseq-eval-lm": "fairseq_cli.eval_lm",
-}
-# fairseq_cli.train first: its logging.basicConfig must come before fairseq's import (whose
-# tasks/text_to_speech.py calls basicConfig too), as in a real `fairseq-train`
-_PRELOAD = ["fairseq_cli.train", *FAIRSEQ_TOOLS.values()]
+
+def _fairseq_distribution():
+    return distribution(packages_distributions()["fairseq"][0])
+
+
+def fairseq_tools():
+    """Console script name -> ``"module:function"``, for every console script of the
+    distribution that provides ``fairseq`` (its entry points)."""
+    return {ep.name: ep.value for ep in _fairseq_distribution().entry_points
+            if ep.group == "console_scripts"}
+
+
+def fairseq_top_level():
+    """The top-level modules of the distribution that provides ``fairseq``."""
+    dist = _fairseq_distribution()
+    names = (dist.read_text("top_level.txt") or "").split()
+    return set(names) or {f.parts[0].split(".")[0] for f in dist.files or ()
+                          if f.suffix in (".py", ".so") and len(f.parts) > 0}
+
+
+FAIRSEQ_TOOLS = fairseq_tools()
 _context = None
+_server_env = None
 _bin = None
+
+# environment variables read while the interpreter starts or torch loads: a command whose
+# value differs from the server's runs as a real process, except for those in _APPLIED
+# (not KMP_*: Intel's OpenMP, which torch's Linux builds do not load; scikit-learn sets
+# KMP_DUPLICATE_LIB_OK while being imported, in the server and in a test worker alike)
+_READ_AT_START = ("PYTHON", "OMP_", "MKL_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_",
+                  "MALLOC_", "LD_PRELOAD", "LD_LIBRARY_PATH")
+_APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS"}
 
 
 def _warm_context():
-    global _context
+    global _context, _server_env
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
+        _context.set_forkserver_preload(["tests.warm_server"])
         # The server imports fairseq, which asks torch how many GPUs there are (its
         # distributed defaults): where torch cannot ask NVML, that initialises CUDA, and
         # a process forked from a CUDA-initialised one finds CUDA broken. So the server
@@ -69,6 +111,7 @@ def _warm_context():
         # environment back (CUDA_VISIBLE_DEVICES included) before any of it runs.
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        _server_env = dict(os.environ)
         try:
             multiprocessing.forkserver.ensure_running()
         finally:
@@ -80,7 +123,7 @@ def _warm_context():
 
 
 def warm_module(cmd):
-    """The ``fairseq_cli`` module of ``cmd`` if it is a fairseq console script of this
+    """The ``"module:function"`` of ``cmd`` if it is a fairseq console script of this
     environment (it can run warm), else None."""
     path = Path(str(cmd[0]))
     if path.parent == Path(sys.executable).parent:
@@ -88,12 +131,95 @@ def warm_module(cmd):
     return None
 
 
-def _child(module, argv, cwd, env, streams):
-    """In the forked process: become the command, then exit with its code. ``streams``:
-    its standard input, output and error, each a path or a descriptor passed along
-    (``multiprocessing.reduction.DupFd``)."""
+def forks_warm(cmd, env):
+    """Whether ``cmd`` with environment ``env`` runs forked from this worker's warm server
+    (as far as the environment tells: a PYTHONPATH may still hold another copy of a
+    library the server loaded)."""
+    _warm_context()
+    return warm_module(cmd) is not None and not_warm_because(env, _server_env) is None
+
+
+def not_warm_because(env, server_env):
+    """Why a command with environment ``env`` cannot run forked from a server started with
+    the environment ``server_env`` (a sentence), or None."""
+    for name in sorted(set(env) | set(server_env)):
+        if (name.startswith(_READ_AT_START) and name not in _APPLIED
+                and env.get(name) != server_env.get(name)):
+            return f"{name} differs from the warm server's"
+    omp, mkl = env.get("OMP_NUM_THREADS"), env.get("MKL_NUM_THREADS")
+    if omp and mkl and omp != mkl:
+        return "OMP_NUM_THREADS and MKL_NUM_THREADS differ"
+    if not (omp or mkl) and (server_env.get("OMP_NUM_THREADS")
+                             or server_env.get("MKL_NUM_THREADS")):
+        return "no thread count, where the warm server had one"
+    return None
+
+
+def fresh_sys_path(script, cwd, env, interpreter_path):
+    """``sys.path`` of a new interpreter running ``script`` from ``cwd`` with ``env``:
+    the script's directory, PYTHONPATH's entries, then ``interpreter_path`` (the rest of a
+    new interpreter's path), without repeats."""
+    entries = []
+    if env.get("PYTHONPATH"):
+        entries = [os.path.abspath(os.path.join(cwd, e))
+                   for e in env["PYTHONPATH"].split(os.pathsep)]
+    path = []
+    for entry in [*entries, *interpreter_path]:
+        if entry not in path:
+            path.append(entry)
+    return [os.path.dirname(os.path.realpath(script)), *path], entries
+
+
+def shadowed_module(entries):
+    """The name of a module already imported that one of ``entries`` holds another copy
+    of (a new process would import that one), or None."""
+    loaded = {name: module.__file__ for name, module in list(sys.modules.items())
+              if "." not in name and getattr(module, "__file__", None)}
+    for entry in entries:
+        try:
+            names = {n.split(".")[0] for n in os.listdir(entry)}
+        except OSError:
+            continue
+        for name in sorted(names & set(loaded)):
+            spec = importlib.machinery.PathFinder.find_spec(name, [entry])
+            if spec and spec.origin and (os.path.realpath(spec.origin)
+                                         != os.path.realpath(loaded[name])):
+                return name
+    return None
+
+
+def _new_standard_streams(unbuffered):
+    """sys.stdin, stdout and stderr on descriptors 0-2, made as a new interpreter makes
+    them (text over a buffer, or over the raw file with PYTHONUNBUFFERED; stderr line
+    buffered), with the server's encodings."""
+    def stream(fd, mode, old, line_buffering):
+        raw = io.FileIO(fd, mode, closefd=False)
+        buffer = raw if unbuffered and mode == "w" else (
+            io.BufferedWriter(raw) if mode == "w" else io.BufferedReader(raw))
+        return io.TextIOWrapper(buffer, encoding=old.encoding, errors=old.errors,
+                                line_buffering=line_buffering,
+                                write_through=unbuffered and mode == "w")
+
+    sys.stdin = sys.__stdin__ = stream(0, "r", sys.__stdin__, False)
+    sys.stdout = sys.__stdout__ = stream(1, "w", sys.__stdout__, os.isatty(1))
+    sys.stderr = sys.__stderr__ = stream(2, "w", sys.__stderr__, True)
+
+
+def _child(entry, argv, cwd, env, streams, ignored):
+    """In the forked process: become the command ``argv`` (``entry``: its
+    ``"module:function"``), then exit with its code. ``streams``: its standard input,
+    output and error, each a path or a descriptor passed along
+    (``multiprocessing.reduction.DupFd``); ``ignored``: the signals its caller ignores,
+    which it ignores too (the others as a new interpreter has them)."""
     code = 0
+    for sig in FORWARDED:
+        default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else default)
     try:
+        from tests import warm_server  # loaded by the server, with it
+
+        if warm_server.FAILED:
+            raise RuntimeError("the warm server's preload failed:\n" + warm_server.FAILED)
         for target, stream in enumerate(streams):
             if isinstance(stream, str):
                 fd = os.open(stream, os.O_RDONLY if target == 0 else os.O_WRONLY)
@@ -102,23 +228,28 @@ def _child(module, argv, cwd, env, streams):
             if fd != target:
                 os.dup2(fd, target)
                 os.close(fd)
-        # the start method a new interpreter has (a forked child inherits the server's
-        # forkserver: a tool's worker pool, e.g. fairseq-preprocess --workers 8, would start
-        # a server of its own and import fairseq again in every worker)
-        multiprocessing.set_start_method(None, force=True)
+        script = str(Path(sys.executable).parent / Path(argv[0]).name)  # the real one
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        if "OMP_NUM_THREADS" in env:  # OpenMP read the variable when the server imported torch
+        path, entries = fresh_sys_path(script, cwd, env, warm_server.FRESH_PATH)
+        if not_warm_because(env, warm_server.START_ENV) or shadowed_module(path[:1] + entries):
+            os.execve(script, [script, *argv[1:]], env)  # a real process, in our place
+        sys.path[:] = path
+        sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+        _new_standard_streams(bool(env.get("PYTHONUNBUFFERED")))
+        # the start method a new interpreter has (a forked child inherits the server's
+        # forkserver: a tool's worker pool, e.g. fairseq-preprocess --workers 8, would start
+        # a server of its own)
+        multiprocessing.set_start_method(None, force=True)
+        threads = env.get("OMP_NUM_THREADS") or env.get("MKL_NUM_THREADS")
+        if threads:  # read by OpenMP when the server imported torch
             import torch
 
-            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        # the level fairseq_cli gives the root logger at import, read from this environment
-        logging.getLogger().setLevel(env.get("LOGLEVEL", "INFO").upper())
-        if env.get("PYTHONUNBUFFERED"):  # read at the server's start, as OMP_NUM_THREADS
-            sys.stdout.reconfigure(line_buffering=True)
+            torch.set_num_threads(int(threads))
         sys.argv = argv
-        importlib.import_module(module).cli_main()
+        module, function = entry.split(":")
+        getattr(importlib.import_module(module), function)()
     except SystemExit as exit_:
         if exit_.code is None:
             code = 0
@@ -142,15 +273,16 @@ def run_warm(cmd, cwd, env, timeout):
     """``subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
     timeout=timeout)``, forked from the warm server; ``cmd`` is a fairseq tool
     (``warm_module``)."""
-    module = warm_module(cmd)
+    entry = warm_module(cmd)
     argv = [str(c) for c in cmd]
     with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
         out_path, err_path = Path(tmp, "stdout"), Path(tmp, "stderr")
         out_path.touch()
         err_path.touch()
         process = _warm_context().Process(
-            target=_child, args=(module, argv, str(cwd), dict(env),
-                                 (os.devnull, str(out_path), str(err_path))))
+            target=_child, args=(entry, argv, str(cwd), dict(env),
+                                 (os.devnull, str(out_path), str(err_path)),
+                                 ignored_signals()))
         process.start()
         process.join(timeout)
         if process.is_alive():
@@ -174,12 +306,12 @@ def run_command(cmd, cwd, env, timeout, warm=True):
 
 def fairseq_bin():
     """A directory to give the commands a test runs as FAIRSEQ_BIN (the recipe scripts and
-    modules, the experiments): in it, fairseq's tools are stand-ins (tests/warm_client.py)
-    that send their command to this worker, which forks it warm and sends back its exit
-    code; fairseq's other console scripts are links to the real ones. One directory and
-    one listening thread per test worker, made at the first call.
+    modules, the experiments): in it, each of fairseq's console scripts is a stand-in
+    (tests/warm_client.py) that sends its command to this worker, which forks it warm and
+    sends back its exit code. One directory and one listening thread per test worker, made
+    at the first call.
 
-    What differs from a real process besides what ``run_warm`` says: the command is a child
+    What differs from a real process besides what this module's docstring says: the command is a child
     of the warm server, not of the stand-in (its CPU time is not the stand-in's, and a
     signal reaches it only through the stand-in, which forwards SIGINT, SIGTERM, SIGHUP and
     SIGQUIT; if the stand-in dies, the command is killed). Tests that are about process
@@ -194,13 +326,10 @@ def fairseq_bin():
         threading.Thread(target=_serve, args=(listener,), daemon=True).start()
         client = Path(__file__).with_name("warm_client.py").read_text()
         header = f"#!{sys.executable} -S\nSOCKET = {str(directory / 'socket')!r}\n"
-        for real in Path(sys.executable).parent.glob("fairseq-*"):
-            stand_in = directory / real.name
-            if real.name in FAIRSEQ_TOOLS:
-                stand_in.write_text(header + client)
-                stand_in.chmod(0o755)
-            else:  # e.g. fairseq-score: runs as itself
-                stand_in.symlink_to(real)
+        for name in FAIRSEQ_TOOLS:
+            stand_in = directory / name
+            stand_in.write_text(header + client)
+            stand_in.chmod(0o755)
         _bin = str(directory)
     return _bin
 
@@ -240,8 +369,8 @@ def _run_for_stand_in(conn):
             argv = request["argv"]
             process = _warm_context().Process(
                 target=_child, args=(FAIRSEQ_TOOLS[Path(argv[0]).name], argv, request["cwd"],
-                                     request["env"],
-                                     [_PassedFd(fd) for fd in fds]))
+                                     request["env"], [_PassedFd(fd) for fd in fds],
+                                     request["ignored"]))
             process.start()
         finally:
             for fd in fds:  # the child has its copies

@@ -1,0 +1,56 @@
+"""What the warm server (tests/warm_process.py) imports once, before it forks any command.
+
+It imports every fairseq tool's module, so that the libraries they use (torch, scipy,
+scikit-learn, hydra, ...: 2.6 s of the 3.0 s ``import fairseq_cli.train`` takes here) are
+loaded, then forgets the modules of fairseq's distribution again and resets the root
+logger: each command imports fairseq itself (0.4 s), as a new process does, so that what
+fairseq does while being imported (its logging set-up, which differs between the tools,
+"Please install tensorboardX", its registries) happens in the command, from the command's
+``sys.path``.
+
+The forkserver ignores a preload module that fails to import: this one never raises and
+keeps the failure in ``FAILED`` instead, which every command checks before it runs.
+"""
+
+import importlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import traceback
+import warnings
+
+from tests.warm_process import FAIRSEQ_TOOLS, fairseq_top_level
+
+START_ENV = dict(os.environ)  # as the server started, before the imports below change it
+FAILED = None  # the traceback of a failed preload
+FRESH_PATH = None  # sys.path of a new interpreter after its first entry, without PYTHONPATH
+
+
+def _fresh_path():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def _preload():
+    with warnings.catch_warnings():  # each command's own import warns again where it should
+        warnings.simplefilter("ignore")
+        for entry in sorted(set(FAIRSEQ_TOOLS.values())):
+            importlib.import_module(entry.split(":")[0])
+    names = fairseq_top_level()
+    for name in [m for m in sys.modules if m.split(".")[0] in names]:
+        del sys.modules[name]
+    root = logging.getLogger()  # as before any basicConfig
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+
+
+try:
+    FRESH_PATH = _fresh_path()
+    _preload()
+except BaseException:  # noqa: BLE001 - kept for the commands to report
+    FAILED = traceback.format_exc()
