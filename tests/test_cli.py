@@ -610,19 +610,32 @@ def test_two_passes_without_kl_ablation_from_the_cli(translation_data, user_dir,
 # --------------------------------------------------------------------------- hydra
 
 
-def test_hydra_train_with_shipped_config(translation_data, user_dir, tmp_path):
-    """A real fairseq-hydra-train process (hydra sets up its own logging and run directory)."""
-    save_dir = tmp_path / "ckpt"
-    proc = check_ok(run([
+def hydra_train(translation_data, user_dir, cwd, warm):
+    """fairseq-hydra-train with the shipped config, shrunk, 4 updates, in ``cwd``."""
+    return check_ok(run([
         tool("fairseq-hydra-train"), "--config-dir", REPO / "configs",
         "--config-name", "transformer_iwslt_de_en_rdrop",
         f"common.user_dir={user_dir}", f"task.data={translation_data}", "common.cpu=true",
-        "optimization.max_update=4", "dataset.max_tokens=1000", f"checkpoint.save_dir={save_dir}",
+        "optimization.max_update=4", "dataset.max_tokens=1000", f"checkpoint.save_dir={cwd / 'ckpt'}",
         "task.eval_bleu_detok=space", "dataset.num_workers=0", "common.no_progress_bar=true",
         "model.encoder_layers=1", "model.decoder_layers=1",
         "model.encoder_embed_dim=32", "model.decoder_embed_dim=32",
         "model.encoder_ffn_embed_dim=64", "model.decoder_ffn_embed_dim=64",
-    ], cwd=tmp_path, warm=False))
+    ], cwd=cwd, warm=warm))
+
+
+def test_hydra_train_with_shipped_config(translation_data, user_dir, tmp_path):
+    """A real fairseq-hydra-train process (hydra sets up its own logging and run directory),
+    and the warm one: the same statistics and weights."""
+    import torch
+
+    from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
+
+    assert forks_warm([tool("fairseq-hydra-train")], tool_env())
+    (tmp_path / "real").mkdir()
+    (tmp_path / "warm").mkdir()
+    proc = hydra_train(translation_data, user_dir, tmp_path / "real", warm=False)
+    warm = hydra_train(translation_data, user_dir, tmp_path / "warm", warm=True)
     stats = parse_stats(proc.stdout)
     assert stats["train"], "no training statistics in hydra's log" + tail(proc)
     for line in stats["train"]:
@@ -630,8 +643,19 @@ def test_hydra_train_with_shipped_config(translation_data, user_dir, tmp_path):
     assert stats["train"][-1]["num_updates"] == 4
     assert stats["valid"] and all("bleu" in line and "rdrop_kl" not in line
                                   for line in stats["valid"]), stats["valid"]
-    assert (save_dir / "checkpoint_last.pt").is_file(), tail(proc)
-    assert (tmp_path / "outputs").is_dir()  # hydra's run directory, in the cwd
+    assert (tmp_path / "real" / "outputs").is_dir()  # hydra's run directory, in the cwd
+    keep = ("loss", "nll_loss", "rdrop_kl", "bleu", "num_updates")
+    warm_stats = parse_stats(warm.stdout)
+    for logger in ("train", "valid"):
+        assert ([{k: v for k, v in line.items() if k in keep} for line in stats[logger]]
+                == [{k: v for k, v in line.items() if k in keep}
+                    for line in warm_stats[logger]]), logger
+    allow_fairseq_checkpoint_globals()
+    real_model, warm_model = (
+        torch.load(d / "ckpt" / "checkpoint_last.pt", map_location="cpu")["model"]
+        for d in (tmp_path / "real", tmp_path / "warm"))
+    assert real_model.keys() == warm_model.keys()
+    assert all(torch.equal(real_model[k], warm_model[k]) for k in real_model)
 
 
 # --------------------------------------------------------------------------- real processes

@@ -13,15 +13,18 @@ What a command does the way a new process does:
 
 * it imports fairseq itself (the server forgot fairseq's modules after loading the
   libraries): fairseq's logging set-up, which differs between the tools (``fairseq-train``
-  logs to stdout in fairseq's format, ``fairseq-preprocess`` and ``-hydra-train`` to
-  stderr in Python's default one), its messages while being imported ("Please install
-  tensorboardX"), its registries, and the plugin through ``--user-dir``;
+  logs to stdout in fairseq's format, ``fairseq-preprocess`` to stderr in Python's default
+  one), its messages while being imported ("Please install tensorboardX"), its
+  registries, and the plugin through ``--user-dir``;
 * ``sys.path`` is a new interpreter's for the console script: the script's directory,
   PYTHONPATH (relative entries from the command's working directory), then the
   interpreter's own (not the test worker's);
 * ``sys.stdin``, ``sys.stdout`` and ``sys.stderr`` are new, buffered as PYTHONUNBUFFERED
-  says; ``sys.dont_write_bytecode`` follows PYTHONDONTWRITEBYTECODE; torch's threads follow
-  OMP_NUM_THREADS / MKL_NUM_THREADS; CUDA_VISIBLE_DEVICES and the rest of the environment
+  says; ``sys.dont_write_bytecode`` follows PYTHONDONTWRITEBYTECODE; torch's threads and
+  the loaded BLAS and OpenMP pools follow OMP_NUM_THREADS / MKL_NUM_THREADS (threadpoolctl);
+  ``random`` and numpy's global generator are seeded anew; the signals its caller ignores
+  it ignores, the others are a new interpreter's; a KeyboardInterrupt it does not catch
+  ends it by SIGINT, as in Python; CUDA_VISIBLE_DEVICES and the rest of the environment
   are the command's before any of it runs.
 
 Where that cannot be (a variable read while the interpreter starts or torch loads differs
@@ -33,9 +36,11 @@ the real console script instead: a real process, in the same place.
 
 What still differs from a new process: the libraries the server loaded are loaded once, so
 what *they* print or warn while being imported happened once, in the server, and state
-that fairseq's import leaves in them (hydra's config store, torch's) is the server's
-import's, then the command's; the locale's encoding of the standard streams is the
-server's; the command is a child of the server, not of its caller (see ``fairseq_bin``).
+that fairseq's import leaves in them (hydra's config store) is the server's import's, then
+the command's; the locale (LANG, LC_*: the standard streams' and ``open``'s default
+encoding) and TZ are the server's; ``multiprocessing.current_process()`` is a forked
+process, not "MainProcess"; the command is a child of the server, not of its caller (see
+``fairseq_bin``).
 ``run(..., warm=False)`` in the test helpers, and commands other than fairseq's console
 scripts (``python -m``, scripts), are real subprocesses.
 """
@@ -50,6 +55,7 @@ import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
+import random
 import shutil
 import signal
 import socket
@@ -190,24 +196,43 @@ def shadowed_module(entries):
 
 def _new_standard_streams(unbuffered):
     """sys.stdin, stdout and stderr on descriptors 0-2, made as a new interpreter makes
-    them (text over a buffer, or over the raw file with PYTHONUNBUFFERED; stderr line
-    buffered), with the server's encodings."""
-    def stream(fd, mode, old, line_buffering):
+    them (text over a buffer, or over the raw file with PYTHONUNBUFFERED; no newline
+    translation; stdout line buffered on a terminal, stderr always unless unbuffered), with
+    the server's encodings."""
+    def stream(fd, name, mode, old):
         raw = io.FileIO(fd, mode, closefd=False)
-        buffer = raw if unbuffered and mode == "w" else (
-            io.BufferedWriter(raw) if mode == "w" else io.BufferedReader(raw))
-        return io.TextIOWrapper(buffer, encoding=old.encoding, errors=old.errors,
-                                line_buffering=line_buffering,
-                                write_through=unbuffered and mode == "w")
+        raw.name = name
+        writes = mode == "w"
+        buffer = raw if unbuffered and writes else (
+            io.BufferedWriter(raw) if writes else io.BufferedReader(raw))
+        return io.TextIOWrapper(buffer, encoding=old.encoding, errors=old.errors, newline="\n",
+                                line_buffering=writes and not unbuffered
+                                and (fd == 2 or os.isatty(fd)),
+                                write_through=unbuffered and writes)
 
-    sys.stdin = sys.__stdin__ = stream(0, "r", sys.__stdin__, False)
-    sys.stdout = sys.__stdout__ = stream(1, "w", sys.__stdout__, os.isatty(1))
-    sys.stderr = sys.__stderr__ = stream(2, "w", sys.__stderr__, True)
+    sys.stdin = sys.__stdin__ = stream(0, "<stdin>", "r", sys.__stdin__)
+    sys.stdout = sys.__stdout__ = stream(1, "<stdout>", "w", sys.__stdout__)
+    sys.stderr = sys.__stderr__ = stream(2, "<stderr>", "w", sys.__stderr__)
+
+
+def _limit_threads(threads):
+    """The command's thread count for torch and for the thread pools the server's
+    libraries loaded (numpy's and scipy's OpenBLAS read OMP_NUM_THREADS when loaded); False
+    where that cannot be done."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return False
+    import torch
+
+    torch.set_num_threads(threads)
+    threadpool_limits(threads)
+    return True
 
 
 def _child(entry, argv, cwd, env, streams, ignored):
     """In the forked process: become the command ``argv`` (``entry``: its
-    ``"module:function"``), then exit with its code. ``streams``: its standard input,
+    ``"module:function"``), then exit as it does. ``streams``: its standard input,
     output and error, each a path or a descriptor passed along
     (``multiprocessing.reduction.DupFd``); ``ignored``: the signals its caller ignores,
     which it ignores too (the others as a new interpreter has them)."""
@@ -216,10 +241,6 @@ def _child(entry, argv, cwd, env, streams, ignored):
         default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
         signal.signal(sig, signal.SIG_IGN if sig in ignored else default)
     try:
-        from tests import warm_server  # loaded by the server, with it
-
-        if warm_server.FAILED:
-            raise RuntimeError("the warm server's preload failed:\n" + warm_server.FAILED)
         for target, stream in enumerate(streams):
             if isinstance(stream, str):
                 fd = os.open(stream, os.O_RDONLY if target == 0 else os.O_WRONLY)
@@ -228,25 +249,31 @@ def _child(entry, argv, cwd, env, streams, ignored):
             if fd != target:
                 os.dup2(fd, target)
                 os.close(fd)
+        from tests import warm_server  # loaded by the server, with it
+
+        if warm_server.FAILED:
+            raise RuntimeError("the warm server's preload failed:\n" + warm_server.FAILED)
         script = str(Path(sys.executable).parent / Path(argv[0]).name)  # the real one
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
         path, entries = fresh_sys_path(script, cwd, env, warm_server.FRESH_PATH)
-        if not_warm_because(env, warm_server.START_ENV) or shadowed_module(path[:1] + entries):
+        threads = env.get("OMP_NUM_THREADS") or env.get("MKL_NUM_THREADS")
+        if (not_warm_because(env, warm_server.START_ENV) or shadowed_module(path[:1] + entries)
+                or (threads and not _limit_threads(int(threads)))):
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the server's, not the command's
             os.execve(script, [script, *argv[1:]], env)  # a real process, in our place
         sys.path[:] = path
+        importlib.invalidate_caches()
         sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
         _new_standard_streams(bool(env.get("PYTHONUNBUFFERED")))
         # the start method a new interpreter has (a forked child inherits the server's
         # forkserver: a tool's worker pool, e.g. fairseq-preprocess --workers 8, would start
         # a server of its own)
         multiprocessing.set_start_method(None, force=True)
-        threads = env.get("OMP_NUM_THREADS") or env.get("MKL_NUM_THREADS")
-        if threads:  # read by OpenMP when the server imported torch
-            import torch
-
-            torch.set_num_threads(int(threads))
+        random.seed()  # seeded when the server imported them: the same in every command
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
         sys.argv = argv
         module, function = entry.split(":")
         getattr(importlib.import_module(module), function)()
@@ -258,6 +285,9 @@ def _child(entry, argv, cwd, env, streams, ignored):
         else:
             print(exit_.code, file=sys.stderr)
             code = 1
+    except KeyboardInterrupt:  # as the interpreter: traceback, then die of SIGINT
+        traceback.print_exc()
+        code = -signal.SIGINT
     except BaseException:  # noqa: BLE001 - as the interpreter would: traceback, exit 1
         traceback.print_exc()
         code = 1
@@ -266,6 +296,9 @@ def _child(entry, argv, cwd, env, streams, ignored):
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
         os._exit(code)
 
 

@@ -19,7 +19,6 @@ import os
 import subprocess
 import sys
 import traceback
-import warnings
 
 from tests.warm_process import FAIRSEQ_TOOLS, fairseq_top_level
 
@@ -36,10 +35,8 @@ def _fresh_path():
 
 
 def _preload():
-    with warnings.catch_warnings():  # each command's own import warns again where it should
-        warnings.simplefilter("ignore")
-        for entry in sorted(set(FAIRSEQ_TOOLS.values())):
-            importlib.import_module(entry.split(":")[0])
+    for entry in sorted(set(FAIRSEQ_TOOLS.values())):
+        importlib.import_module(entry.split(":")[0])
     names = fairseq_top_level()
     for name in [m for m in sys.modules if m.split(".")[0] in names]:
         del sys.modules[name]
@@ -54,3 +51,6 @@ try:
     _preload()
 except BaseException:  # noqa: BLE001 - kept for the commands to report
     FAILED = traceback.format_exc()
+finally:  # what the imports printed goes out now, not with the first command's output
+    sys.stdout.flush()
+    sys.stderr.flush()
