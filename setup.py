@@ -15,8 +15,10 @@ setup(
     install_requires=["torch>=1.13", "numpy"],
     extras_require={
         # triton: tests/test_triton_kernel.py runs the fused kernel in Triton's CPU
-        # interpreter (verified with 3.0.0, 3.2.0 and 3.9.0); wheels exist for Linux only
-        "test": ["pytest>=7", "pytest-xdist>=3", 'triton>=3.0; platform_system == "Linux"'],
+        # interpreter (verified with 3.0.0, 3.2.0 and 3.9.0); wheels exist for Linux only.
+        # threadpoolctl: a warm test command's thread count (tests/warm_process.py)
+        "test": ["pytest>=7", "pytest-xdist>=3", 'triton>=3.0; platform_system == "Linux"',
+                 "threadpoolctl>=3"],
         # rdrop_fairseq.recipes, run by scripts/*.sh (tokenisation, BPE, sentencepiece for
         # Chinese, ROUGE, plots,
         # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check;
