@@ -413,9 +413,10 @@ def summarize(results, work, args):
             "gap": mean_std(gaps), "speedup": mean_std(speedups),
             "mac_ratio": mean_std([r.get("mac_ratio") for r in rows]),
             # a step cost only where the run had the CPU to itself (the lock; not a GPU
-            # machine shared by many runs)
+            # machine shared by many runs; not a run marked "cpu_shared" by hand, with why)
             "seconds_per_update": mean_std([r.get("seconds_per_update") for r in rows
-                                            if r.get("device", "cpu") == "cpu"])}
+                                            if r.get("device", "cpu") == "cpu"
+                                            and not r.get("cpu_shared")])}
         pruned = sorted({len(r["pruned_layers"]) for r in rows})
         lines.append(f"| {mode} | {len(rows)} | {fmt(s['accuracy'])} | {fmt(s['f1'])} | "
                      f"{'/'.join(map(str, pruned))} | {fmt(s['gap'])} | "
