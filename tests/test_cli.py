@@ -627,10 +627,6 @@ def hydra_train(translation_data, user_dir, cwd, warm):
 def test_hydra_train_with_shipped_config(translation_data, user_dir, tmp_path):
     """A real fairseq-hydra-train process (hydra sets up its own logging and run directory),
     and the warm one: the same statistics and weights."""
-    import torch
-
-    from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
-
     assert forks_warm([tool("fairseq-hydra-train")], tool_env())
     (tmp_path / "real").mkdir()
     (tmp_path / "warm").mkdir()
@@ -644,24 +640,37 @@ def test_hydra_train_with_shipped_config(translation_data, user_dir, tmp_path):
     assert stats["valid"] and all("bleu" in line and "rdrop_kl" not in line
                                   for line in stats["valid"]), stats["valid"]
     assert (tmp_path / "real" / "outputs").is_dir()  # hydra's run directory, in the cwd
-    keep = ("loss", "nll_loss", "rdrop_kl", "bleu", "num_updates")
-    warm_stats = parse_stats(warm.stdout)
-    for logger in ("train", "valid"):
-        assert ([{k: v for k, v in line.items() if k in keep} for line in stats[logger]]
-                == [{k: v for k, v in line.items() if k in keep}
-                    for line in warm_stats[logger]]), logger
-    allow_fairseq_checkpoint_globals()
-    real_model, warm_model = (
-        torch.load(d / "ckpt" / "checkpoint_last.pt", map_location="cpu")["model"]
-        for d in (tmp_path / "real", tmp_path / "warm"))
-    assert real_model.keys() == warm_model.keys()
-    assert all(torch.equal(real_model[k], warm_model[k]) for k in real_model)
+    assert_same_training(stats, parse_stats(warm.stdout), ("train", "valid"))
+    assert_same_weights(*(d / "ckpt" / "checkpoint_last.pt"
+                          for d in (tmp_path / "real", tmp_path / "warm")))
 
 
 # --------------------------------------------------------------------------- real processes
 # The tests above start fairseq's tools warm (tests/warm_process.py). These run each tool
 # the project's recipes start as a real process, to completion, and check that it gives
 # what the warm one gives: the same files, statistics, hypotheses and perplexity.
+
+
+def assert_same_training(real_stats, warm_stats, loggers):
+    """Two trainings' logged statistics (``parse_stats``) agree line by line."""
+    keep = ("loss", "nll_loss", "rdrop_kl", "bleu", "num_updates")
+    for logger in loggers:
+        assert ([{k: v for k, v in line.items() if k in keep} for line in real_stats[logger]]
+                == [{k: v for k, v in line.items() if k in keep}
+                    for line in warm_stats[logger]]), logger
+
+
+def assert_same_weights(real_checkpoint, warm_checkpoint):
+    """Two checkpoints hold bit-identical model weights."""
+    import torch
+
+    from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
+
+    allow_fairseq_checkpoint_globals()
+    real, warm = (torch.load(c, map_location="cpu")["model"]
+                  for c in (real_checkpoint, warm_checkpoint))
+    assert real.keys() == warm.keys()
+    assert all(torch.equal(real[k], warm[k]) for k in real)
 
 
 def test_real_fairseq_preprocess_writes_what_the_warm_one_wrote(translation_data, tmp_path):
@@ -684,10 +693,6 @@ def test_real_fairseq_preprocess_writes_what_the_warm_one_wrote(translation_data
 
 def test_real_fairseq_train_and_generate_give_what_the_warm_ones_give(
         translation_data, user_dir, tmp_path):
-    import torch
-
-    from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
-
     assert forks_warm([tool("fairseq-train")], tool_env())  # warm against real, not real twice
     runs = {}
     for kind in ("real", "warm"):
@@ -706,16 +711,8 @@ def test_real_fairseq_train_and_generate_give_what_the_warm_ones_give(
     real_stats, warm_stats = parse_stats(real.stdout), parse_stats(warm.stdout)
     assert real_stats["train"][-1]["num_updates"] == 12, tail(real)
     assert positive_finite(real_stats["train"][-1].get("rdrop_kl")), tail(real)
-    for logger in ("train_inner", "train", "valid"):
-        keep = ("loss", "nll_loss", "rdrop_kl", "bleu", "num_updates")
-        assert ([{k: v for k, v in line.items() if k in keep} for line in real_stats[logger]]
-                == [{k: v for k, v in line.items() if k in keep}
-                    for line in warm_stats[logger]]), logger
-    allow_fairseq_checkpoint_globals()
-    real_model, warm_model = (torch.load(d / "checkpoint_last.pt", map_location="cpu")["model"]
-                              for d in (real_dir, warm_dir))
-    assert real_model.keys() == warm_model.keys()
-    assert all(torch.equal(real_model[k], warm_model[k]) for k in real_model)
+    assert_same_training(real_stats, warm_stats, ("train_inner", "train", "valid"))
+    assert_same_weights(real_dir / "checkpoint_last.pt", warm_dir / "checkpoint_last.pt")
     assert parse_hypotheses(real_generate.stdout) == parse_hypotheses(warm_generate.stdout)
     assert len(parse_hypotheses(real_generate.stdout)) == TRANSLATION_SPLITS["test"]
 
