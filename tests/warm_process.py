@@ -87,7 +87,7 @@ def fairseq_top_level():
     dist = _fairseq_distribution()
     names = (dist.read_text("top_level.txt") or "").split()
     return set(names) or {f.parts[0].split(".")[0] for f in dist.files or ()
-                          if f.suffix in (".py", ".so") and len(f.parts) > 0}
+                          if f.suffix in (".py", ".so")}
 
 
 FAIRSEQ_TOOLS = fairseq_tools()
