@@ -1,9 +1,9 @@
 """What the warm server (tests/warm_process.py) imports once, before it forks any command.
 
 It imports every fairseq tool's module, so that the libraries they use (torch, scipy,
-scikit-learn, hydra, ...: 2.6 s of the 3.0 s ``import fairseq_cli.train`` takes here) are
+scikit-learn, hydra, ...: 2.26 s of the 2.65 s ``import fairseq_cli.train`` takes here) are
 loaded, then forgets the modules of fairseq's distribution again and resets the root
-logger: each command imports fairseq itself (0.4 s), as a new process does, so that what
+logger: each command imports fairseq itself (0.35 s), as a new process does, so that what
 fairseq does while being imported (its logging set-up, which differs between the tools,
 "Please install tensorboardX", its registries) happens in the command, from the command's
 ``sys.path``.
