@@ -2,8 +2,8 @@
 use already imported.
 
 Every fairseq command a test runs would otherwise import torch, scipy, scikit-learn, hydra
-and fairseq again: 2.65 s of the interpreter's start here, on an idle machine (``python -X importtime -c "import
-fairseq_cli.train"``), paid hundreds of times by the suite. Here a server process
+and fairseq again: 2.65 s of the interpreter's start here, on an idle machine (``python -X
+importtime -c "import fairseq_cli.train"``), paid hundreds of times by the suite. Here a server process
 (multiprocessing's ``forkserver``, one per test worker) imports them once
 (tests/warm_server.py), and each command is a process forked from it: its own pid, working
 directory, environment, ``sys.argv``, standard input, output and error, exit code and
