@@ -9,6 +9,8 @@ setup(
     license="MIT",
     python_requires=">=3.9",
     packages=find_packages(include=["rdrop_fairseq", "rdrop_fairseq.*"]),
+    # the recipes' source table (rdrop_fairseq/recipes/fetch.py)
+    package_data={"rdrop_fairseq.recipes": ["sources.json"]},
     # fairseq itself is deliberately not a requirement: the PyPI distribution named
     # "fairseq" (0.12.2) does not import on Python 3.11 and would replace a user's own
     # fairseq. Install one yourself (see README: requirements/fairseq.txt).
@@ -22,10 +24,12 @@ setup(
         # rdrop_fairseq.recipes, run by scripts/*.sh (tokenisation, BPE, sentencepiece for
         # Chinese, ROUGE, plots,
         # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check;
-        # safetensors + tokenizers: the Hugging Face BERT converter, convert_hf_bert)
+        # safetensors + tokenizers: the Hugging Face BERT converter, convert_hf_bert;
+        # pyarrow: CNN/DailyMail's parquet files (26 needs NumPy 2; fairseq pins NumPy 1);
+        # tqdm: the downloads' progress bar)
         "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8", "sentencepiece>=0.1.99",
                     "rouge-score>=0.1.2", "matplotlib>=3.5", "tokenizers>=0.13",
-                    "safetensors>=0.4"],
+                    "safetensors>=0.4", "pyarrow>=12,<26", "tqdm>=4"],
         # fairseq's --tensorboard-logdir; without it every fairseq command logs
         # "Please install tensorboardX" (fairseq/tasks/text_to_speech.py, at import)
         "tensorboard": ["tensorboardX>=2.1"],

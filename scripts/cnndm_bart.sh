@@ -6,9 +6,11 @@
 #   RAW=cnn_dm BPE_DIR=gpt2_bpe BART_DIR=bart.large bash scripts/cnndm_bart.sh
 #   GPUS=8 DRY_RUN=1 bash scripts/cnndm_bart.sh train       # print the commands only
 #
-# Inputs (downloads are yours: docs/summarization.md): RAW (cnn_dm/{train,val,test}.
-# {source,target}), BPE_DIR (GPT-2's encoder.json, vocab.bpe), BART_DIR (bart.large:
-# model.pt, dict.txt). Environment: DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
+# Inputs, each fetched into its default place unless set (docs/data.md; OFFLINE=1: none):
+# RAW ({train,val,test}.{source,target}; default work/cnn_dm, made from Hugging Face's
+# CNN/DailyMail 3.0.0), BPE_DIR (GPT-2's encoder.json, vocab.bpe; default work/gpt2_bpe),
+# BART_DIR (bart.large: model.pt, dict.txt; default work/bart.large), DOWNLOADS (default
+# work/downloads). Environment: DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
 # doubled-batch), ALPHA, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES,
 # NODE_RANK, MASTER_ADDR, MASTER_PORT, FAIRSEQ_BIN, PYTHON, DRY_RUN.
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
@@ -27,9 +29,15 @@ detect_devices
 set_mode 0.7
 
 prepare() {
-  need "$RAW/train.source" "RAW must hold the CNN/DM text: {train,val,test}.{source,target}"
-  need "$BPE_DIR/encoder.json" "BPE_DIR must hold GPT-2's encoder.json and vocab.bpe"
-  need "$BART_DIR/dict.txt" "BART_DIR must hold bart.large (model.pt, dict.txt)"
+  # the inputs given are checked first, then the others are fetched
+  WANTED=()
+  input RAW train.source "RAW must hold the CNN/DM text: {train,val,test}.{source,target}" \
+        "cnn_dailymail=$RAW"
+  input BPE_DIR encoder.json "BPE_DIR must hold GPT-2's encoder.json and vocab.bpe" \
+        "gpt2-bpe=$BPE_DIR"
+  input BART_DIR dict.txt "BART_DIR must hold bart.large (model.pt, dict.txt)" \
+        "bart.large=$BART_DIR"
+  fetch "${WANTED[@]}"
   # GPT-2 BPE, then fairseq-preprocess with bart.large's dictionary (fairseq's BART README)
   run "$PYTHON" -m rdrop_fairseq.recipes.prepare_cnndm --raw "$RAW" --out "$DATA_DIR" \
       --encoder-json "$BPE_DIR/encoder.json" --vocab-bpe "$BPE_DIR/vocab.bpe" \
@@ -44,6 +52,7 @@ train() {
     restore=(checkpoint.restore_file=checkpoint_last.pt checkpoint.reset_optimizer=false
              checkpoint.reset_dataloader=false checkpoint.reset_meters=false)
   else  # start from bart.large, optimizer, dataloader and meters reset (the config's)
+    given BART_DIR || fetch "bart.large=$BART_DIR"
     need "$BART_DIR/model.pt" "BART_DIR must hold bart.large (model.pt, dict.txt)"
     restore=(checkpoint.restore_file="$(realpath -m "$BART_DIR/model.pt")")
   fi

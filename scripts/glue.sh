@@ -10,9 +10,11 @@
 #   TASK=MNLI MODE=baseline SEED=2 bash scripts/glue.sh train
 #   TASK=CoLA DRY_RUN=1 bash scripts/glue.sh train          # print the commands only
 #
-# Inputs (downloads are yours: docs/glue.md): GLUE_DIR (the GLUE tasks' TSVs), BPE_DIR
-# (GPT-2's encoder.json, vocab.bpe, dict.txt), ROBERTA_DIR (roberta.large: model.pt;
-# FROM_SCRATCH=1: none, a randomly initialised model). Environment: TASK (CoLA, MRPC, RTE,
+# Inputs, each fetched into its default place unless set (docs/data.md; OFFLINE=1: none):
+# GLUE_DIR (the GLUE tasks' TSVs; default work/glue_data), BPE_DIR (GPT-2's encoder.json,
+# vocab.bpe, dict.txt; default work/gpt2_bpe), ROBERTA_DIR (roberta.large, or roberta.base
+# for AttendOut: model.pt; default work/roberta.*; fetched by train; FROM_SCRATCH=1: none, a
+# randomly initialised model), DOWNLOADS (default work/downloads). Environment: TASK (CoLA, MRPC, RTE,
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
 # doubled-batch, attendout, attendout_rdrop), TARGET_LAYERS (AttendOut modes), ALPHA, SEED,
 # MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ batches of
@@ -67,8 +69,13 @@ esac
 set_mode "${SETTINGS[2]}"
 
 prepare() {
-  need "$GLUE_DIR/$TASK/train.tsv" "GLUE_DIR must hold the GLUE tasks ($TASK/train.tsv, dev.tsv)"
-  need "$BPE_DIR/encoder.json" "BPE_DIR must hold GPT-2's encoder.json, vocab.bpe and dict.txt"
+  # the inputs given are checked first, then the others are fetched
+  WANTED=()
+  input GLUE_DIR "$TASK/train.tsv" "GLUE_DIR must hold the GLUE tasks ($TASK/train.tsv, dev.tsv)" \
+        "glue-$TASK=$GLUE_DIR/$TASK"
+  input BPE_DIR encoder.json "BPE_DIR must hold GPT-2's encoder.json, vocab.bpe and dict.txt" \
+        "gpt2-bpe=$BPE_DIR"
+  fetch "${WANTED[@]}"
   # GPT-2 BPE, fairseq-preprocess --only-source (fairseq's preprocess_GLUE_tasks.sh)
   run "$PYTHON" -m rdrop_fairseq.recipes.prepare_glue "$TASK" --glue-dir "$GLUE_DIR" \
       --out "$DATA_DIR" --bpe-dir "$BPE_DIR" "${EXTRA[@]}"
@@ -96,6 +103,7 @@ train() {
     restore=(checkpoint.restore_file=checkpoint_last.pt checkpoint.reset_optimizer=false
              checkpoint.reset_dataloader=false checkpoint.reset_meters=false)
   else
+    given ROBERTA_DIR || fetch "$CHECKPOINT_NAME=$ROBERTA_DIR"
     need "$ROBERTA_DIR/model.pt" \
          "ROBERTA_DIR must hold $CHECKPOINT_NAME/model.pt (or FROM_SCRATCH=1)"
     restore=(checkpoint.restore_file="$(realpath -m "$ROBERTA_DIR/model.pt")")

@@ -9,7 +9,8 @@
 #   GPUS=4 DRY_RUN=1 bash scripts/iwslt14.sh train        # print the commands only
 #
 # Environment: SRC, TGT (default de, en), ARCHIVE (the pair's IWSLT archive, a path or URL;
-# default for De<->En: fairseq's IWSLT14 mirror), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline,
+# default for De<->En: fetched from fairseq's IWSLT14 mirror into DOWNLOADS; the other pairs
+# have no live source: docs/data.md), OFFLINE, DATA_DIR, SAVE_DIR, MODE (rdrop, baseline,
 # no-kl, doubled-batch), ALPHA, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES,
 # NODE_RANK, MASTER_ADDR, MASTER_PORT, FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
@@ -34,10 +35,12 @@ set_mode 5
 prepare() {
   local archive=${ARCHIVE:-}
   if [ -z "$archive" ]; then
-    [ "$SRC-$TGT" = de-en ] || [ "$SRC-$TGT" = en-de ] ||
-      die "ARCHIVE is required for $SRC-$TGT: the IWSLT$YEAR archive of the pair" \
-          "(a .tgz path or URL)"
-    archive=http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz  # fairseq's mirror
+    # the table's archive of the pair (De<->En: fairseq's mirror; the others are manual)
+    local pair=$SRC-$TGT
+    [[ $pair == en-* ]] || pair=$TGT-$SRC
+    [ "$pair" != en-de ] || pair=de-en
+    fetch "iwslt$YEAR-$pair"
+    archive=$DOWNLOADS/$pair.tgz
   fi
   # Moses tokenisation, lower-casing (De<->En only), joint BPE (10k merges),
   # fairseq-preprocess (En-Zh: sentencepiece, separate dictionaries)

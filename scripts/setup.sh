@@ -22,7 +22,7 @@ check() {
   (cd / && "$VENV/bin/python" -) <<'PY'
 import matplotlib  # before fairseq, whose import sets the root logger to DEBUG
 import fairseq, numpy, torch, rdrop_fairseq
-import pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
+import pyarrow, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
 import tensorboardX, tokenizers, triton, xdist
 print(f"[setup] ok: torch {torch.__version__}, fairseq {fairseq.__version__}, "
       f"numpy {numpy.__version__}, rdrop_fairseq {rdrop_fairseq.__version__}")

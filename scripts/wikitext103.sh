@@ -8,10 +8,10 @@
 #   GPUS=2 DRY_RUN=1 bash scripts/wikitext103.sh train      # print the commands only
 #
 # Environment: ARCH (gpt or adaptive; default gpt), SOURCE (wikitext-103-v1.zip or its
-# directory; default: downloaded), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
-# doubled-batch), ALPHA, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES,
-# NODE_RANK, MASTER_ADDR, MASTER_PORT, FAIRSEQ_BIN, PYTHON, DRY_RUN
-# (docs/language-modeling.md). Arguments after train are fairseq-hydra-train overrides
+# directory; default: fetched into DOWNLOADS, default work/downloads: docs/data.md),
+# OFFLINE, DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, SEED,
+# GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR,
+# MASTER_PORT, FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/language-modeling.md). Arguments after train are fairseq-hydra-train overrides
 # (after prepare / evaluate: options of the Python module).
 source "$(dirname "$0")/lib/common.sh"
 
@@ -29,9 +29,11 @@ detect_devices
 set_mode 1
 
 prepare() {
+  local source=${SOURCE:-$DOWNLOADS/wikitext-103-v1.zip}
+  given SOURCE || fetch wikitext-103
   # fairseq's prepare-wikitext-103.sh + fairseq-preprocess --only-source, in Python
   run "$PYTHON" -m rdrop_fairseq.recipes.prepare_wikitext --out "$DATA_DIR" \
-      ${SOURCE:+--source "$SOURCE"} "${EXTRA[@]}"
+      --source "$source" "${EXTRA[@]}"
 }
 
 train() {

@@ -9,8 +9,9 @@
 #
 # Environment: PAIR (en-de or en-fr; default en-de), GOOGLE (En-De: the folder Google's
 # preprocessed WMT'16 En-De, wmt16_en_de.tar.gz, was extracted in: the authors' data; set it
-# for every stage), ORIG (without GOOGLE: where the official archives are, or are downloaded
-# to; default wmt14-orig beside DATA_DIR, shared by both pairs), DATA_DIR, SAVE_DIR, MODE
+# for every stage; no live source: docs/data.md), ORIG (without GOOGLE: the folder holding
+# the official archives, used as it is; default: wmt14-orig beside DATA_DIR, shared by both
+# pairs, where they are fetched), OFFLINE, DATA_DIR, SAVE_DIR, MODE
 # (rdrop, baseline, no-kl, doubled-batch), ALPHA, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ,
 # MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, AVERAGE (default 0: test
 # checkpoint_best.pt, as the authors; N: the average of the last N epoch checkpoints, as
@@ -48,10 +49,18 @@ prepare() {
         --out "$DATA_DIR" "${EXTRA[@]}"
     return
   fi
+  local orig=${ORIG:-$(dirname "$DATA_DIR")/wmt14-orig}
+  if ! given ORIG; then  # the archives from statmt.org (their checksums are TFDS's)
+    local archives=(wmt13-europarl-v7 wmt13-commoncrawl wmt17-nc-v12 wmt14-test-full)
+    [[ " ${EXTRA[*]} " != *" --icml17 "* ]] || archives[2]=wmt14-nc-v9
+    [ "$PAIR" = en-de ] || archives=(wmt13-europarl-v7 wmt13-commoncrawl wmt13-un wmt14-nc-v9
+                                     wmt10-giga-fren wmt14-test-full)
+    fetch_into "$orig" "${archives[@]}"
+  fi
   # fairseq's prepare-wmt14en2{de,fr}.sh in Python: Moses normalisation and tokenisation
   # (aggressive hyphen splitting), ~32k joint BPE, newstest2014 as the test set
   run "$PYTHON" -m rdrop_fairseq.recipes.prepare_wmt14 --pair "$PAIR" \
-      --orig "${ORIG:-$(dirname "$DATA_DIR")/wmt14-orig}" --out "$DATA_DIR" "${EXTRA[@]}"
+      --orig "$orig" --out "$DATA_DIR" "${EXTRA[@]}"
 }
 
 train() {

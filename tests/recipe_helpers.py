@@ -43,11 +43,15 @@ def script(name, *args, ok=True, **env):
 def dry_run(name, *args, ok=True, **env):
     """The commands scripts/NAME.sh prints with DRY_RUN=1, each an argv list; and the run.
     ``proc.inner``: the commands the recipe modules it runs would run (``++ `` lines: the
-    evaluate stages' fairseq-generate, fairseq-eval-lm)."""
+    evaluate stages' fairseq-generate, fairseq-eval-lm); ``proc.fetches``: the ``(URL,
+    file)`` pairs the inputs' downloads would fetch."""
     proc = script(name, *args, ok=ok, DRY_RUN=1, **env)
     lines = proc.stdout.splitlines()
     commands = [shlex.split(line[2:]) for line in lines if line.startswith("+ ")]
-    proc.inner = [shlex.split(line[3:]) for line in lines if line.startswith("++ ")]
+    inner = [shlex.split(line[3:]) for line in lines if line.startswith("++ ")]
+    # the downloads it would make ("++ fetch URL -> FILE"), apart from the commands
+    proc.fetches = [(c[1], c[3]) for c in inner if c[0] == "fetch"]
+    proc.inner = [c for c in inner if c[0] not in ("fetch", "make", "(no")]
     return commands, proc
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rdrop_fairseq.recipes import evaluate_lm, prepare_wikitext
+from rdrop_fairseq.recipes import evaluate_lm, fetch, prepare_wikitext
 from tests.recipe_helpers import OFFLINE, dry_run, run, script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,12 +95,13 @@ def test_prepare_finds_the_files_in_a_directory(tmp_path):
 def test_prepare_offline_says_to_pass_a_local_path(tmp_path):
     """The default source is the download; with no network (here: a proxy that refuses every
     connection) it fails at once, saying to pass the local zip or directory."""
-    proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wikitext", "--out", tmp_path],
-               ok=False, env=OFFLINE)
+    proc = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wikitext", "--out",
+                tmp_path / "out", "--downloads", tmp_path / "downloads"], ok=False, env=OFFLINE)
     assert proc.returncode != 0
-    assert f"cannot download {prepare_wikitext.WIKITEXT103_URL}" in proc.stderr, proc.output
-    assert "Offline?" in proc.stderr and "--source PATH" in proc.stderr
-    assert list(tmp_path.iterdir()) == []  # no partial download left behind
+    url = fetch.load_sources(fetch.TABLE)["wikitext-103"]["files"][0]["urls"][0]
+    assert f"cannot fetch wikitext-103-v1.zip: {url}: no connection" in proc.stderr, proc.output
+    assert "or set SOURCE to a local wikitext-103-v1.zip" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no partial download, no folder left behind
 
 
 def test_prepare_missing_data_is_named(tmp_path):

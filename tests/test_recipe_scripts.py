@@ -158,18 +158,22 @@ def test_extra_arguments_and_fairseq_bin_reach_the_command():
     assert cmd[1:3] == ["-m", "rdrop_fairseq.fairseq_fixes"]
 
 
+FETCH = "rdrop_fairseq.recipes.fetch"  # the inputs not given, before the stage that needs them
+
+
 def test_every_stage_of_every_recipe_prints_its_commands():
     expected = {  # the modules each stage runs, in order (all = prepare, train, evaluate)
-        ("iwslt14", ()): ["rdrop_fairseq.recipes.prepare_iwslt", "fairseq-hydra-train",
+        ("iwslt14", ()): [FETCH, "rdrop_fairseq.recipes.prepare_iwslt", "fairseq-hydra-train",
                           "rdrop_fairseq.recipes.evaluate_translation"],
-        ("wmt14", ()): ["rdrop_fairseq.recipes.prepare_wmt14", "fairseq-hydra-train",
+        ("wmt14", ()): [FETCH, "rdrop_fairseq.recipes.prepare_wmt14", "fairseq-hydra-train",
                         "rdrop_fairseq.recipes.evaluate_translation"],
-        ("cnndm_bart", ()): ["rdrop_fairseq.recipes.prepare_cnndm", "rdrop_fairseq.fairseq_fixes",
+        ("cnndm_bart", ()): [FETCH, "rdrop_fairseq.recipes.prepare_cnndm", FETCH,
+                             "rdrop_fairseq.fairseq_fixes",
                              "rdrop_fairseq.recipes.evaluate_summarization"],
-        ("wikitext103", ()): ["rdrop_fairseq.recipes.prepare_wikitext", "fairseq-hydra-train",
-                              "rdrop_fairseq.recipes.evaluate_lm"],
-        ("glue", ("TASK", "RTE")): ["rdrop_fairseq.recipes.prepare_glue", "fairseq-hydra-train",
-                                    "rdrop_fairseq.recipes.evaluate_glue"],
+        ("wikitext103", ()): [FETCH, "rdrop_fairseq.recipes.prepare_wikitext",
+                              "fairseq-hydra-train", "rdrop_fairseq.recipes.evaluate_lm"],
+        ("glue", ("TASK", "RTE")): [FETCH, "rdrop_fairseq.recipes.prepare_glue", FETCH,
+                                    "fairseq-hydra-train", "rdrop_fairseq.recipes.evaluate_glue"],
     }
     for (name, env), programs in expected.items():
         commands, proc = dry_run(name, GPUS=1, **dict([env] if env else []))
@@ -288,7 +292,8 @@ def test_glue_task_names():
 @pytest.mark.parametrize("name, stage, env, message", [
     ("iwslt14", "train", {}, "bin/dict.de.txt not found: run: bash scripts/iwslt14.sh prepare"),
     ("iwslt14", "evaluate", {}, "checkpoint_best.pt not found: train first"),
-    ("iwslt14", "prepare", {"SRC": "en", "TGT": "fr"}, "ARCHIVE is required for en-fr"),
+    ("iwslt14", "prepare", {"SRC": "en", "TGT": "fr"},
+     "iwslt14-en-fr has no live source known to us: fairseq's mirror holds IWSLT14 de-en only"),
     ("wmt14", "train", {}, "bin/dict.en.txt not found"),
     ("cnndm_bart", "prepare", {}, "train.source not found: RAW must hold the CNN/DM text"),
     ("wikitext103", "evaluate", {}, "checkpoint_best.pt not found"),

@@ -360,12 +360,15 @@ def _tok_en(line):
 
 
 def test_prepare_wmt14_says_which_archive_is_missing(tmp_path):
+    """It downloads nothing (scripts/wmt14.sh fetches the archives): a missing archive is
+    named with the command that fetches it."""
     proc = subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wmt14", "--orig",
                            tmp_path, "--out", tmp_path / "out"], capture_output=True, text=True,
-                          env={"PATH": str(Path(sys.executable).parent), "no_proxy": "*",
-                               "http_proxy": "http://127.0.0.1:9"}, timeout=120)
+                          env={"PATH": str(Path(sys.executable).parent)}, timeout=120)
     assert proc.returncode != 0
-    assert "training-parallel-europarl-v7.tgz is not in" in proc.stderr, proc.stderr
+    assert f"{tmp_path} lacks training-parallel-europarl-v7.tgz" in proc.stderr, proc.stderr
+    assert f"fetch --dir {tmp_path} wmt13-europarl-v7 " in proc.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 ZH = {"house": "房子", "garden": "花园", "car": "汽车", "tree": "大树", "green": "绿色的",

@@ -88,6 +88,48 @@ def bpe_encode_file(src, dest, encoder_json, vocab_bpe, workers=1, prepend_bos=F
     return n
 
 
+def _one_line(text):
+    return text.replace("\r", " ").replace("\n", " ")
+
+
+# the splits of Hugging Face's abisee/cnn_dailymail 3.0.0 parquet files, by file name
+PARQUET_SPLITS = {"train": "train", "validation": "val", "test": "test"}
+
+
+def from_parquet(paths, raw):
+    """RAW/{train,val,test}.{source,target} from the parquet files of Hugging Face's
+    ``abisee/cnn_dailymail`` 3.0.0 (columns ``article``, ``highlights``): one article / one
+    summary a line, the highlights joined by spaces (the parquet files join them by
+    newlines; fairseq's files, made by See et al.'s scripts, by spaces). Needs pyarrow
+    (the recipes' extra)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        sys.exit("error: reading CNN/DailyMail's parquet files needs pyarrow: "
+                 "pip install 'rdrop-fairseq[recipes]' (or pip install pyarrow)")
+    raw = Path(raw)
+    by_split = {}
+    for path in sorted(paths):
+        split = next((v for k, v in PARQUET_SPLITS.items() if f"{k}-0" in Path(path).name),
+                     None)
+        if split is None:
+            sys.exit(f"error: {path}: not a train/validation/test parquet file of CNN/DailyMail")
+        by_split.setdefault(split, []).append(path)
+    for split, files in by_split.items():
+        n = 0
+        with open(raw / f"{split}.source", "w", encoding="utf-8") as src, \
+                open(raw / f"{split}.target", "w", encoding="utf-8") as tgt:
+            for path in files:
+                table = pq.read_table(path, columns=["article", "highlights"])
+                for article, highlights in zip(*(table.column(c).to_pylist()
+                                                 for c in ("article", "highlights"))):
+                    src.write(_one_line(article) + "\n")
+                    tgt.write(_one_line(highlights) + "\n")
+                    n += 1
+        print(f"[cnndm] {split}: {n} articles from {', '.join(Path(f).name for f in files)}",
+              flush=True)
+
+
 def count_lines(path):
     with open(path, "rb") as f:
         return sum(1 for _ in f)

@@ -136,6 +136,42 @@ def read_split(task, folder, split):
 _ENCODER = None
 
 
+MRPC_HEADER = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+
+
+def mrpc_from_senteval(train_txt, test_txt, dev_ids, out):
+    """MRPC in the GLUE layout, as GLUE's download script builds it: ``out/train.tsv`` and
+    ``out/dev.tsv`` split SentEval's ``msr_paraphrase_train.txt`` by the pairs listed in
+    ``mrpc_dev_ids.tsv``, ``out/test.tsv`` numbers the rows of ``msr_paraphrase_test.txt``."""
+    out = Path(out)
+
+    def rows(path):
+        with open(path, encoding="utf-8-sig", newline="\n") as f:
+            lines = f.read().split("\n")[1:]  # after the header
+        fields = [line.strip("\r").split("\t") for line in lines if line.strip()]
+        bad = [i + 2 for i, row in enumerate(fields) if len(row) != 5]
+        if bad:
+            raise GlueDataError(f"{path}: line {bad[0]} has not 5 tab-separated fields "
+                                "(Quality, #1 ID, #2 ID, #1 String, #2 String)")
+        return fields
+
+    with open(dev_ids, encoding="utf-8-sig") as f:
+        dev = {tuple(line.split("\t")[:2]) for line in f.read().split("\n") if line.strip()}
+    train, held_out = [], []
+    for row in rows(train_txt):
+        (held_out if (row[1], row[2]) in dev else train).append("\t".join(row) + "\n")
+    if len(held_out) != len(dev):
+        raise GlueDataError(f"{dev_ids} lists {len(dev)} pairs, {train_txt} holds "
+                            f"{len(held_out)} of them: not the files GLUE's MRPC is made from")
+    (out / "train.tsv").write_text(MRPC_HEADER + "".join(train), encoding="utf-8")
+    (out / "dev.tsv").write_text(MRPC_HEADER + "".join(held_out), encoding="utf-8")
+    test = [f"{i}\t" + "\t".join(row[1:]) + "\n" for i, row in enumerate(rows(test_txt))]
+    (out / "test.tsv").write_text("index\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+                                  + "".join(test), encoding="utf-8")
+    print(f"[glue] MRPC: {len(train)} train, {len(held_out)} dev, {len(test)} test pairs",
+          flush=True)
+
+
 def _init_bpe(encoder_json, vocab_bpe):
     global _ENCODER
     from fairseq.data.encoders.gpt2_bpe_utils import get_encoder

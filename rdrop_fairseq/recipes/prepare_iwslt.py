@@ -15,10 +15,12 @@ script), which evaluate_translation.py scores sacreBLEU against.
     python -m rdrop_fairseq.recipes.prepare_iwslt --archive de-en.tgz --src de --tgt en \\
         --out work/iwslt14.de-en
     python -m rdrop_fairseq.recipes.prepare_iwslt --archive https://.../de-en.tgz --src de \\
-        --tgt en --out ...
+        --tgt en --out ...       # fetched into --downloads first
 
-IWSLT14 de-en: fairseq's mirror of the archive is the IWSLT14_DE_EN_URL below. For the other
-pairs, pass the archive of the same format (``train.tags.PAIR.*`` and ``IWSLT*.TED*.xml``).
+IWSLT14 de-en: scripts/iwslt14.sh fetches fairseq's mirror of the archive (the source
+table's ``iwslt14-de-en``: python -m rdrop_fairseq.recipes.fetch --list). For the other
+pairs, which no live host serves, pass the archive of the same format (``train.tags.PAIR.*``
+and ``IWSLT*.TED*.xml``).
 IWSLT17 En<->Zh (``en-zh.tgz``) is prepared as the paper's separate dictionaries: one
 sentencepiece BPE model per language on the raw text (which segments the Chinese), no
 lower-casing, training pairs of 1-175 pieces without a length-ratio filter (Chinese and
@@ -29,30 +31,28 @@ import argparse
 import re
 import subprocess
 import sys
+import os
 import tarfile
-import urllib.request
 from pathlib import Path
 
+from . import fetch as downloader
 from .common import ArgumentParser, made_or_removed
 
-IWSLT14_DE_EN_URL = "http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz"
 _MARKUP = ("<url>", "<talkid>", "<keywords>")
 _TAGS = re.compile(r"</?(title|description)>")
 _SEG = re.compile(r"<seg id=\"?\d+\"?>\s*(.*?)\s*</seg>")
 
 
-def fetch(archive, into):
-    """A local archive as is, or a URL downloaded into ``into``."""
+def fetch(archive, downloads):
+    """A local archive as is, or a URL fetched into ``downloads`` (resumed, kept: a second
+    run reuses it; rdrop_fairseq.recipes.fetch)."""
     if re.match(r"^[a-z]+://", archive):
-        target = Path(into) / archive.rsplit("/", 1)[-1]
-        if not target.exists():
-            print(f"[iwslt] downloading {archive}", flush=True)
-            try:
-                urllib.request.urlretrieve(archive, target)
-            except OSError as e:
-                sys.exit(f"error: cannot download {archive} ({e}); download it elsewhere and "
-                         "pass the local file with --archive")
-        return target
+        target = Path(downloads) / archive.rsplit("/", 1)[-1]
+        try:
+            return downloader.fetch([archive], target,
+                                    local_hint="pass a local archive with --archive")
+        except (downloader.FetchError, ValueError) as e:
+            sys.exit(f"error: {e}")
     if not Path(archive).is_file():
         sys.exit(f"error: no archive {archive}")
     return Path(archive)
@@ -102,10 +102,14 @@ def extract(archive, src, tgt, raw):
 
 def main():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--archive", required=True, help=f"path or URL (de-en: {IWSLT14_DE_EN_URL})")
+    p.add_argument("--archive", required=True, help="path or URL of the pair's archive")
     p.add_argument("--src", required=True)
     p.add_argument("--tgt", required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--downloads", type=Path,
+                   default=Path(os.environ.get("DOWNLOADS", "work/downloads")),
+                   help="where an --archive URL is fetched to (default: $DOWNLOADS or "
+                        "work/downloads)")
     p.add_argument("--bpe-merges", type=int, default=10000)
     p.add_argument("--vocab-size", type=int, default=10000, help="per language, for zh pairs")
     p.add_argument("--lowercase", action=argparse.BooleanOptionalAction,
@@ -117,7 +121,7 @@ def main():
         p.error("--lowercase applies to Moses tokens; zh pairs use sentencepiece on raw text")
     with made_or_removed(a.out):  # a failure leaves no half-made OUT
         a.out.mkdir(parents=True, exist_ok=True)
-        archive = fetch(a.archive, a.out)
+        archive = fetch(a.archive, a.downloads)
         extract(archive, a.src, a.tgt, a.out / "raw")
         if "zh" in (a.src, a.tgt):
             subword = ["--subword", "sentencepiece", "--separate-dictionaries",

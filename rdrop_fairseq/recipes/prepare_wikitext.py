@@ -8,9 +8,11 @@ What fairseq's examples/language_model README does (prepare-wikitext-103.sh, the
    (already tokenised, one paragraph a line), found anywhere under ``--source``, which is
    * a directory holding them (e.g. the unzipped ``wikitext-103/``), or
    * a zip holding them (``wikitext-103-v1.zip``), extracted into ``OUT/raw``, or
-   * a URL (the default: WIKITEXT103_URL below, the one fairseq's script downloads),
-     downloaded into ``OUT`` first when online. Offline, download the zip elsewhere and
-     pass the local file or directory with ``--source``;
+   * a URL, fetched into ``--downloads`` first (rdrop_fairseq.recipes.fetch: resumed,
+     kept for a second run);
+   * nothing: the source table's WikiText-103 (a live mirror of the zip fairseq's script
+     downloaded, MD5-checked) is fetched into ``--downloads``. Offline, fetch the zip
+     elsewhere and pass the local file or directory with ``--source``;
 2. ``fairseq-preprocess --only-source`` into ``OUT/bin``: one dictionary (every word of the
    training text; WikiText-103 has 267k) and the binarized splits ``train``, ``valid``,
    ``test``, the data-bin of scripts/wikitext103.sh (OUT is its DATA_DIR).
@@ -21,7 +23,7 @@ What fairseq's examples/language_model README does (prepare-wikitext-103.sh, the
     python -m rdrop_fairseq.recipes.prepare_wikitext --source path/to/wikitext-103 \\
         --out work/wikitext-103
 
-Environment variables: SOURCE, OUT, WORKERS.
+Environment variables: SOURCE, OUT, WORKERS, DOWNLOADS.
 """
 
 import argparse
@@ -30,13 +32,12 @@ import re
 import shutil
 import subprocess
 import sys
-import urllib.request
 import zipfile
 from pathlib import Path
 
+from . import fetch as downloader
 from .common import ArgumentParser, fairseq_cli, made_or_removed
 
-WIKITEXT103_URL = "https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip"
 SPLITS = ("train", "valid", "test")
 FILES = tuple(f"wiki.{split}.tokens" for split in SPLITS)
 
@@ -45,23 +46,18 @@ def is_url(source):
     return bool(re.match(r"^[a-z]+://", str(source)))
 
 
-def download(url, out):
-    """``url`` into ``out`` (kept: a second run reuses it)."""
-    target = Path(out) / url.rsplit("/", 1)[-1]
-    if target.is_file():
-        print(f"[wikitext] {target} already downloaded", flush=True)
-        return target
-    partial = target.with_name(target.name + ".part")
-    print(f"[wikitext] downloading {url}", flush=True)
+def download(url, downloads):
+    """``url`` fetched into ``downloads`` (kept: a second run reuses it); the source
+    table's WikiText-103 when ``url`` is None."""
+    hint = (f"fetch {'/'.join(FILES)}'s zip elsewhere and pass it, or the directory holding "
+            "them, with --source PATH")
     try:
-        urllib.request.urlretrieve(url, partial)
-    except (OSError, ValueError) as e:  # URLError, HTTPError, timeouts are OSErrors
-        partial.unlink(missing_ok=True)
-        sys.exit(f"error: cannot download {url} ({e}). Offline? Download "
-                 f"{url.rsplit('/', 1)[-1]} elsewhere and pass the local zip, or the directory "
-                 f"holding {', '.join(FILES)}, with --source PATH")
-    partial.rename(target)
-    return target
+        if url is None:
+            return downloader.get("wikitext-103", downloads)[0]
+        return downloader.fetch([url], Path(downloads) / url.rsplit("/", 1)[-1],
+                                local_hint=hint)
+    except (downloader.FetchError, ValueError) as e:
+        sys.exit(f"error: {e}")
 
 
 def find_in_directory(root):
@@ -102,10 +98,11 @@ def extract_zip(archive, raw):
     return paths
 
 
-def corpus_files(source, out):
-    """``{split: path}`` of the corpus at ``source`` (URL, zip or directory)."""
-    if is_url(source):
-        source = download(source, out)
+def corpus_files(source, out, downloads="work/downloads"):
+    """``{split: path}`` of the corpus at ``source`` (URL, zip or directory; None: the
+    source table's WikiText-103, fetched into ``downloads``)."""
+    if source is None or is_url(source):
+        source = download(source, downloads)
     source = Path(source)
     if not source.exists():
         sys.exit(f"error: {source} does not exist; pass the WikiText directory or zip "
@@ -133,8 +130,11 @@ def main(argv=None):
     doc = __doc__.split("\n\n")
     p = ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", default=os.environ.get("SOURCE", WIKITEXT103_URL),
-                   help="directory, zip or URL of the corpus (default: %(default)s)")
+    p.add_argument("--source", default=os.environ.get("SOURCE"),
+                   help="directory, zip or URL of the corpus (default: the source table's "
+                        "WikiText-103, fetched into --downloads)")
+    p.add_argument("--downloads", default=os.environ.get("DOWNLOADS", "work/downloads"),
+                   help="where a fetched zip goes (default: $DOWNLOADS or work/downloads)")
     p.add_argument("--out", default=os.environ.get("OUT"),
                    help="output directory (the data-bin is OUT/bin)")
     p.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", 1)),
@@ -145,7 +145,7 @@ def main(argv=None):
     out = Path(a.out)
     with made_or_removed(out):  # a failure leaves no half-made OUT
         out.mkdir(parents=True, exist_ok=True)
-        files = corpus_files(a.source, out)
+        files = corpus_files(a.source, out, a.downloads)
         for split in SPLITS:
             print(f"[wikitext] {split}: {files[split]}", flush=True)
         binarize(files, out / "bin", a.workers)

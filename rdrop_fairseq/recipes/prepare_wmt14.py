@@ -15,8 +15,9 @@ fairseq's examples/scaling_nmt/README.md does::
         --testpref DIR/newstest2014.tok.bpe.32000 --destdir OUT/bin \\
         --nwordssrc 32768 --nwordstgt 32768 --joined-dictionary
 
-Otherwise (``--orig``), from the official archives (a directory holding them, or downloaded
-into it when online):
+Otherwise (``--orig``), from the official archives in a directory (scripts/wmt14.sh fetches
+them there: ``python -m rdrop_fairseq.recipes.fetch --dir ORIG NAME ...``, names from
+``CORPORA`` below):
 
 * training text: the concatenated corpora below, Moses punctuation normalisation,
   non-printing characters removed, Moses tokenisation with aggressive hyphen splitting
@@ -37,7 +38,6 @@ into it when online):
         --out work/wmt14.en-fr --workers 16
 
 ``--bpe-merges`` defaults to the paper's ~32k joint vocabulary (fairseq's scripts use 40000).
-Nothing is downloaded that is already in ``--orig``.
 """
 
 import gzip
@@ -45,30 +45,24 @@ import re
 import subprocess
 import sys
 import tarfile
-import urllib.request
 from pathlib import Path
 
+from . import fetch as downloader
 from .common import ArgumentParser, fairseq_cli, made_or_removed
 
-STATMT = "http://statmt.org"
+# "archives": the source table's names (rdrop_fairseq/recipes/sources.json: file, URLs,
+# checksum); scripts/wmt14.sh fetches them into ORIG
 CORPORA = {
     "en-de": {
-        "archives": [f"{STATMT}/wmt13/training-parallel-europarl-v7.tgz",
-                     f"{STATMT}/wmt13/training-parallel-commoncrawl.tgz",
-                     "http://data.statmt.org/wmt17/translation-task/training-parallel-nc-v12.tgz",
-                     f"{STATMT}/wmt14/test-full.tgz"],
+        "archives": ["wmt13-europarl-v7", "wmt13-commoncrawl", "wmt17-nc-v12", "wmt14-test-full"],
         "train": ["training/europarl-v7.de-en", "commoncrawl.de-en",
                   "training/news-commentary-v12.de-en"],
         "test": "test-full/newstest2014-deen-{role}.{lang}.sgm",
         "valid_every": 100,
     },
     "en-fr": {
-        "archives": [f"{STATMT}/wmt13/training-parallel-europarl-v7.tgz",
-                     f"{STATMT}/wmt13/training-parallel-commoncrawl.tgz",
-                     f"{STATMT}/wmt13/training-parallel-un.tgz",
-                     f"{STATMT}/wmt14/training-parallel-nc-v9.tgz",
-                     f"{STATMT}/wmt10/training-giga-fren.tar",
-                     f"{STATMT}/wmt14/test-full.tgz"],
+        "archives": ["wmt13-europarl-v7", "wmt13-commoncrawl", "wmt13-un", "wmt14-nc-v9",
+                     "wmt10-giga-fren", "wmt14-test-full"],
         "train": ["training/europarl-v7.fr-en", "commoncrawl.fr-en", "un/undoc.2000.fr-en",
                   "training/news-commentary-v9.fr-en", "giga-fren.release2.fixed"],
         "test": "test-full/newstest2014-fren-{role}.{lang}.sgm",
@@ -76,7 +70,7 @@ CORPORA = {
     },
 }
 ICML17 = {  # fairseq's --icml17: the ConvS2S paper's WMT14 En-De (news-commentary v9)
-    "archive": f"{STATMT}/wmt14/training-parallel-nc-v9.tgz",
+    "archive": "wmt14-nc-v9",
     "corpus": "training/news-commentary-v9.de-en",
 }
 # Google's WMT'16 En-De (examples/scaling_nmt/README.md): the fairseq-preprocess prefixes
@@ -95,24 +89,28 @@ def corpora(pair, icml17=False):
     return spec
 
 
-def fetch_and_extract(urls, orig):
-    """Each archive from ``orig`` (downloaded there first if missing), extracted once."""
-    orig.mkdir(parents=True, exist_ok=True)
-    for url in urls:
-        archive = orig / url.rsplit("/", 1)[-1]
-        if not archive.exists():
-            print(f"[wmt14] downloading {url}", flush=True)
-            try:
-                urllib.request.urlretrieve(url, archive)
-            except OSError as e:
-                archive.unlink(missing_ok=True)
-                sys.exit(f"error: {archive.name} is not in {orig} and cannot be downloaded "
-                         f"({e}); download {url} elsewhere and put it there")
+def extract(sources, orig):
+    """Each archive of ``sources`` (source table names) from ``orig``, extracted once. Nothing
+    is downloaded here: scripts/wmt14.sh fetches them into its default ORIG."""
+    table = downloader.load_sources()
+    files = [(name, table[name]["files"][0]["name"]) for name in sources]
+    missing = [(name, f) for name, f in files if not (orig / f).is_file()]
+    if missing:
+        sys.exit(f"error: {orig} lacks {', '.join(f for _, f in missing)}: fetch "
+                 f"{'them' if len(missing) > 1 else 'it'} with python -m "
+                 f"rdrop_fairseq.recipes.fetch --dir {orig} "
+                 f"{' '.join(name for name, _ in missing)} (docs/data.md)")
+    for _, name in files:
+        archive = orig / name
         done = orig / f".{archive.name}.extracted"
         if not done.exists():
             print(f"[wmt14] extracting {archive.name}", flush=True)
-            with tarfile.open(archive) as tar:
-                tar.extractall(orig, filter="data")
+            try:
+                with tarfile.open(archive) as tar:
+                    tar.extractall(orig, filter="data")
+            except (tarfile.TarError, EOFError) as e:
+                sys.exit(f"error: {archive} cannot be extracted ({e}); delete it and fetch "
+                         "it again")
             done.touch()
 
 
@@ -183,7 +181,8 @@ def main(argv=None):
                       help="En-De: the extracted wmt16_en_de.tar.gz (Google's preprocessed "
                            "WMT'16 En-De, as the authors)")
     data.add_argument("--orig", type=Path,
-                      help="directory with the official archives (downloaded into it if missing)")
+                      help="directory with the official archives (scripts/wmt14.sh fetches "
+                           "them into its default ORIG)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--icml17", action="store_true", help="En-De with news-commentary v9")
     p.add_argument("--bpe-merges", type=int, help="default: 32000 (not with --google, "
@@ -199,10 +198,12 @@ def main(argv=None):
         with made_or_removed(a.out):
             binarize_google(a.google, a.out, a.workers)
         return
-    # a failure leaves no half-made OUT (and no empty ORIG; downloaded archives stay)
-    with made_or_removed(a.out, a.orig):
+    if not a.orig.is_dir():
+        p.error(f"--orig {a.orig} is not a folder: the folder holding the archives "
+                "(scripts/wmt14.sh fetches them)")
+    with made_or_removed(a.out):  # a failure leaves no half-made OUT
         spec = corpora(a.pair, a.icml17)
-        fetch_and_extract(spec["archives"], a.orig)
+        extract(spec["archives"], a.orig)
         src, tgt = a.pair.split("-")
         assemble(a.pair, a.orig, a.out / "raw", a.icml17)
         subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",

@@ -69,6 +69,34 @@ fairseq_cli() {
   fi
 }
 
+# The inputs the user set (SOURCE, ARCHIVE, ORIG, RAW, GLUE_DIR, ...) are used as they are:
+# nothing is ever downloaded into them. The others are fetched into their default places
+# by the stage that needs them, through the source table (rdrop_fairseq/recipes/
+# sources.json; RDROP_SOURCES replaces it): resumed after a cut, checksum-verified, with
+# progress. OFFLINE=1 fetches nothing and names what is missing; a dry run prints the URLs.
+GIVEN=" "
+for var in SOURCE ARCHIVE ORIG RAW GLUE_DIR BPE_DIR ROBERTA_DIR BART_DIR BERT_DIR; do
+  [ -z "${!var:-}" ] || GIVEN+="$var "
+done
+given() { [[ $GIVEN == *" $1 "* ]]; }
+DOWNLOADS=$(realpath -m "${DOWNLOADS:-work/downloads}")
+
+# fetch_into DIR NAME[=DEST] ...: the named sources' files into DIR (and DEST made from them)
+fetch_into() {
+  local dir=$1
+  shift
+  (( $# )) || return 0
+  run_module "$PYTHON" -m rdrop_fairseq.recipes.fetch --dir "$dir" "$@"
+}
+# fetch NAME[=DEST] ...: the same, the downloads kept in $DOWNLOADS (default work/downloads)
+fetch() { fetch_into "$DOWNLOADS" "$@"; }
+
+# input VAR FILE ADVICE NAME=DEST: a VAR the user set must hold FILE (else a one-line error
+# with ADVICE, before anything is fetched); an unset one is added to WANTED, for fetch
+input() {
+  if given "$1"; then need "${!1}/$2" "$3"; else WANTED+=("$4"); fi
+}
+
 # A stage's input $1 must exist; $2 says how to make it. A dry run only notes it.
 need() {
   [ -e "$1" ] && return 0
