@@ -319,7 +319,7 @@ def child_env():
 
 def run_steps(args):
     rows = []
-    for method in METHODS:  # each in a fresh process: its peak memory is its own
+    for method in args.methods:  # each in a fresh process: its peak memory is its own
         out = subprocess.run([sys.executable, __file__, "_step", method, *child_argv(args)],
                              capture_output=True, text=True, env=child_env(), check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -387,6 +387,9 @@ def parse(argv):
     p.add_argument("--interval", type=int, default=5, help="--attendout-interval T")
     p.add_argument("--intervals", type=int, default=2, help="pruning intervals timed")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="the training-step arms (default: all; baseline, the ratios' base, "
+                        "is always measured first)")
     p.add_argument("--pruning-batch", type=int, help="pruning: batch size (default --batch)")
     p.add_argument("--prune-t", type=int, nargs="+", default=[1, 2, 4],
                    help="pruning: cached batches T, one fresh process each")
@@ -406,6 +409,7 @@ def parse(argv):
         args.device, args.dtype, args.interval = "cuda", "float16", 25
         args.pruning_batch, args.prune_t, args.prune_part = 16, [1, 4, 8, 25], "step"
     args.pruning_batch = args.pruning_batch or args.batch
+    args.methods = ["baseline"] + [m for m in args.methods if m != "baseline"]
     return args
 
 

@@ -110,7 +110,9 @@ if [ "$SMOKE" = 1 ]; then
         --methods floor upstream ours-triton ours-fused-linear --fused-chunk-mb 0.01 0.1)
   STEP=(--step-tiny --step-vocab 256 --step-tokens 64 --methods floor upstream ours-triton)
   SHAPE=(--layers 2 --dim 32 --heads 2 --length 16)
-  ATTENDOUT_STEP=(all "${SHAPE[@]}" --batch 2 --interval 2 --intervals 1 --repeats 1)
+  # two arms: each is a process of its own that imports fairseq
+  ATTENDOUT_STEP=(all "${SHAPE[@]}" --batch 2 --interval 2 --intervals 1 --repeats 1
+                  --methods baseline attendout)
   ATTENDOUT_PRUNING=(pruning "${SHAPE[@]}" --pruning-batch 2 --prune-t 1 --prune-part step)
   CUDA_TESTS=("$REPO/tests/test_fused_linear.py")
   FAST=(-k test_bad_input_is_refused)

@@ -13,7 +13,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # first: pytest-xdist hands out whole files (--dist loadfile) in collection order, and a
 # long file collected last leaves the other workers idle at the end.
 SLOWEST_FIRST = [
-    "tests/test_recipe_scripts.py",  # gpu_check.sh's CPU smoke run: 78 s at 7d28cb5
+    "tests/test_recipe_scripts.py",  # gpu_check.sh's CPU smoke run: 64 s alone (AMD EPYC)
     "tests/test_demo_rerun.py",  # one test of 84 s: it ran last at d5c6e97
     "tests/test_attendout_gate.py",
     "experiments/tests/test_attendout_controls.py",  # the noise control and its positive one

@@ -108,7 +108,9 @@ def test_the_fused_path_saves_the_logits_memory(example):
 def test_the_docs_show_what_the_example_prints_with_its_defaults():
     """docs/plain-pytorch.md's tables are the output of ``python -m
     rdrop_fairseq.examples.plain_pytorch_lm`` with its defaults: the losses of the steps it
-    shows, and the peak memory of each path (about a minute of CPU)."""
+    shows, and the peak memory of each path (about a minute of CPU). Within the tolerances
+    the page states (0.001 in a loss, 0.2 MiB in a peak): another CPU's BLAS sums in
+    another order, and 20 optimizer steps carry that into the 4th decimal."""
     proc = subprocess.run([sys.executable, "-m", "rdrop_fairseq.examples.plain_pytorch_lm",
                            "--threads", "1"], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -119,6 +121,9 @@ def test_the_docs_show_what_the_example_prints_with_its_defaults():
     steps = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", doc, re.M)
     assert len(steps) >= 2 and {int(s[0]) for s in steps} <= set(printed), steps
     for step, *losses in steps:
-        assert printed[int(step)] == losses, (step, printed[int(step)], losses)
+        assert all(abs(float(a) - float(b)) <= 1e-3 for a, b in zip(printed[int(step)], losses)), \
+            (step, printed[int(step)], losses)
     peaks = re.findall(r"^\| `[^|]*\| ([\d.]+) \|$", doc, re.M)
-    assert len(peaks) == 3 and all(f" {mib} MiB  " in proc.stdout for mib in peaks), peaks
+    measured = [float(m) for m in re.findall(r" ([\d.]+) MiB  ", proc.stdout)]
+    assert len(peaks) == 3 and len(measured) == 3, (peaks, proc.stdout)
+    assert all(abs(float(p) - m) <= 0.2 for p, m in zip(peaks, measured)), (peaks, measured)
