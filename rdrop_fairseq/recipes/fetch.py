@@ -280,6 +280,10 @@ def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=30.0, retries=
     expected = check_digest("sha256", sha256) if sha256 else (
         check_digest("md5", md5) if md5 else recorded(out))
     partial, bad = out.with_name(out.name + ".partial"), out.with_name(out.name + ".bad")
+    if dry_run():  # no hashing either: a dry run reads nothing
+        print(f"++ fetch {urls[0] if urls else '(no URL)'} -> {out}"
+              + (" (there already)" if out.is_file() else ""), flush=True)
+        return out
     if out.is_file():
         if expected is None:
             say(f"{out} is there already (no checksum known to verify it)")
@@ -291,9 +295,6 @@ def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=30.0, retries=
         raise FetchError(f"{out} is there already, but its {expected[0]} is {got}, not "
                          f"{expected[1]}: it is another file; move it away and run again")
     by_hand = manual_command(urls, out, expected)
-    if dry_run():
-        print(f"++ fetch {urls[0] if urls else '(no URL)'} -> {out}", flush=True)
-        return out
     if offline():
         raise FetchError(f"OFFLINE=1 and {out} is missing: it comes from "
                          f"{' or '.join(urls)}; fetch it by hand: {by_hand}")
