@@ -361,7 +361,7 @@ def test_the_packaged_table_is_well_formed():
     # the inputs the issue names: each recipe's
     for name in ["wikitext-103", "iwslt14-de-en", "wmt13-europarl-v7", "glue-RTE", "glue-MRPC",
                  "glue-QQP", "gpt2-bpe", "roberta.base", "roberta.large", "bart.large",
-                 "cnn_dailymail"]:
+                 "cnn_dailymail", "bert-base-uncased"]:
         assert name in table
     assert table["wikitext-103"]["files"][0]["md5"] == "9ddaacaf6af0710eda8c456decff7832"
     for manual in ["iwslt14-en-fr", "iwslt14-en-es", "iwslt17-en-zh", "wmt16-google-en-de"]:
