@@ -49,8 +49,10 @@ prepare() {
         --out "$DATA_DIR" "${EXTRA[@]}"
     return
   fi
-  local orig=${ORIG:-$(dirname "$DATA_DIR")/wmt14-orig}
-  if ! given ORIG; then  # the archives from statmt.org (their checksums are TFDS's)
+  local orig=${ORIG:-$(dirname "$DATA_DIR")/wmt14-orig} into=()
+  if given ORIG; then  # used as it is: extracted elsewhere
+    into=(--extract-to "$(dirname "$DATA_DIR")/wmt14-extracted")
+  else  # the archives from statmt.org (their checksums are TFDS's)
     local archives=(wmt13-europarl-v7 wmt13-commoncrawl wmt17-nc-v12 wmt14-test-full)
     [[ " ${EXTRA[*]} " != *" --icml17 "* ]] || archives[2]=wmt14-nc-v9
     [ "$PAIR" = en-de ] || archives=(wmt13-europarl-v7 wmt13-commoncrawl wmt13-un wmt14-nc-v9
@@ -60,7 +62,7 @@ prepare() {
   # fairseq's prepare-wmt14en2{de,fr}.sh in Python: Moses normalisation and tokenisation
   # (aggressive hyphen splitting), ~32k joint BPE, newstest2014 as the test set
   run "$PYTHON" -m rdrop_fairseq.recipes.prepare_wmt14 --pair "$PAIR" \
-      --orig "$orig" --out "$DATA_DIR" "${EXTRA[@]}"
+      --orig "$orig" "${into[@]}" --out "$DATA_DIR" "${EXTRA[@]}"
 }
 
 train() {

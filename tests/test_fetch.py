@@ -5,12 +5,15 @@ served with 200, proxies, Ctrl-C, a full disk and no network at all."""
 
 import errno
 import hashlib
+import http.client
 import http.server
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import urllib.error
@@ -75,13 +78,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
         rng = self.headers.get("Range")
         if rng and route.get("ranges", True):
             start = int(rng.split("=")[1].split("-")[0])
+            if start >= len(data):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(data)}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         else:
             self.send_response(200)
         self.send_header("Content-Type", "text/html" if route.get("html") else
                          "application/octet-stream")
-        self.send_header("Content-Length", str(len(data) - start))
+        if route.get("no_length"):  # the body ends where the connection closes
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(len(data) - start))
         self.end_headers()
         body = data[start:]
         cut = route.pop("cut", None)
@@ -304,11 +316,15 @@ def test_no_connection_gives_up_within_seconds_and_leaves_nothing(tmp_path, env,
     (["--out", "{tmp}", "http://127.0.0.1:9/x"], "is a folder"),
     (["--sha256", "abc", "--out", "{tmp}/x", "http://127.0.0.1:9/x"], "64 hex digits"),
     (["http://127.0.0.1:9/x"], "give --out FILE with URLs"),
+    (["--out", "{tmp}/x", "http:///x"], "is not an http(s) URL"),
+    (["--out", "{tmp}/file/x", "http://127.0.0.1:9/x"], "file is a file, not a folder"),
+    (["--dir", "{tmp}/file", "gpt2-bpe"], "file is a file, not a folder"),
 ])
 def test_bad_input_is_refused_before_anything_is_fetched(tmp_path, args, message):
+    (tmp_path / "file").write_text("a file where a folder would go")
     proc = cli(*[a.format(tmp=tmp_path) for a in args])
-    assert proc.returncode == 2 and message in proc.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
 
 # ------------------------------------------------------------------ the source table
@@ -376,6 +392,93 @@ def test_a_corrupt_archive_without_a_checksum_names_the_file_and_its_source(serv
     dest = tmp_path / "work" / "model"
     proc = cli("--dir", tmp_path / "dl", f"model={dest}", env={"RDROP_SOURCES": str(table)})
     assert proc.returncode != 0
-    assert f"{tmp_path / 'dl' / 'model.tar.gz'} (from {server.url('/model.tar.gz')}) cannot " \
-           "be extracted" in proc.stderr
+    assert f"{server.url('/model.tar.gz')}: a corrupt archive (" in proc.stderr
+    assert f"kept as {tmp_path / 'dl' / 'model.tar.gz.bad'}" in proc.stderr
     assert not (tmp_path / "work").exists()  # no DEST, no half-made sibling, no empty parent
+
+
+def test_a_corrupt_archive_is_not_pinned_by_a_first_seen_checksum(server, tmp_path):
+    good = io.BytesIO()
+    with tarfile.open(fileobj=good, mode="w:gz") as tar:
+        info = tarfile.TarInfo("model/model.pt")
+        info.size = len(DATA)
+        tar.addfile(info, io.BytesIO(DATA))
+    good = good.getvalue()
+    corrupt = good[:-8] + bytes(8)  # the gzip trailer's CRC: tarfile alone never reads it
+    server.routes["/model.tar.gz"] = Route(data=corrupt)
+    table = table_for(server, tmp_path, {"model": {
+        "files": [{"name": "model.tar.gz", "urls": [server.url("/model.tar.gz")]}],
+        "make": "unpack"}})
+    dl, dest = tmp_path / "dl", tmp_path / "work" / "model"
+    env = {"RDROP_SOURCES": str(table)}
+    proc = cli("--dir", dl, f"model={dest}", env=env)
+    assert proc.returncode != 0 and "a corrupt archive (CRC check failed" in proc.stderr
+    assert sorted(p.name for p in dl.iterdir()) == ["model.tar.gz.bad"]  # no record
+    server.routes["/model.tar.gz"] = Route(data=good)
+    proc = cli("--dir", dl, f"model={dest}", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / "model.pt").read_bytes() == DATA
+    assert sorted(p.name for p in dl.iterdir()) == ["model.tar.gz", "model.tar.gz.sha256"]
+    assert (dl / "model.tar.gz.sha256").read_text().split()[0] == hashlib.sha256(good).hexdigest()
+
+
+def test_a_body_without_a_length_needs_a_checksum(server, tmp_path):
+    server.routes["/a.bin"] = Route(data=DATA, no_length=True)
+    with pytest.raises(FetchError, match="no Content-Length, and no checksum"):
+        fetch([server.url("/a.bin")], tmp_path / "a.bin", backoff=0)
+    assert fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=SHA).read_bytes() == DATA
+
+
+def test_two_runs_fetching_one_file_take_turns(server, tmp_path):
+    server.routes["/a.bin"] = Route(data=DATA, stall=100_000, stall_s=1)
+    env = {**os.environ, **NO_PROXY, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-m", "rdrop_fairseq.recipes.fetch", "--out",
+                               str(tmp_path / "a.bin"), server.url("/a.bin")], env=env,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert (tmp_path / "a.bin").read_bytes() == DATA and len(server.log) == 1
+    assert any("waiting for another run" in e for e in errs)
+    assert (tmp_path / "a.bin.sha256").read_text().split()[0] == SHA
+
+
+def test_a_complete_partial_answered_416_is_not_fetched_again(server, tmp_path):
+    server.routes["/a.bin"] = Route(data=DATA)
+    (tmp_path / "a.bin.partial").write_bytes(DATA)  # a run killed while hashing it
+    assert fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=SHA).read_bytes() == DATA
+    assert [r["range"] for r in server.log] == [f"bytes={len(DATA)}-"]
+
+
+def test_a_host_that_drops_packets_is_given_up_within_the_connect_budget(tmp_path,
+                                                                        monkeypatch):
+    def black_hole(address, timeout=None, *args, **kwargs):
+        time.sleep(timeout)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(http.client.socket, "create_connection", black_hole)
+    monkeypatch.setattr(fetch_mod, "CONNECT_BUDGET", 1.0)
+    start = time.monotonic()
+    with pytest.raises(FetchError) as e:
+        fetch(["http://10.255.255.1/a.bin", "http://10.255.255.2/a.bin"], tmp_path / "a.bin",
+              sha256=SHA, backoff=0)
+    assert time.monotonic() - start < 2.5  # not 2 URLs x 3 tries x 30 s
+    assert "no connection within 1.0 s" in str(e.value)
+    assert "10.255.255.2/a.bin: not tried" in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_files_that_cannot_be_made_into_dest_are_one_line_and_set_aside(server, tmp_path):
+    header = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+    server.routes["/train.txt"] = Route(data=(header + "1\t1\t2\ta b\tc d\n").encode())
+    server.routes["/test.txt"] = Route(data=(header + "1\t3\t4\te f\tg h\n").encode())
+    server.routes["/ids.tsv"] = Route(data=b"8\t9\n")  # a pair the training file lacks
+    table = table_for(server, tmp_path, {"glue-MRPC": {"make": "mrpc", "files": [
+        {"name": n, "urls": [server.url("/" + n)]} for n in ("train.txt", "test.txt",
+                                                             "ids.tsv")]}})
+    proc = cli("--dir", tmp_path / "dl", f"glue-MRPC={tmp_path / 'work' / 'MRPC'}",
+               env={"RDROP_SOURCES": str(table)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "cannot be made into" in proc.stderr and "ids.tsv lists 1 pairs" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "dl").iterdir()) == [
+        "ids.tsv.bad", "test.txt.bad", "train.txt.bad"]  # no first-seen record pins them
+    assert not (tmp_path / "work").exists()

@@ -281,7 +281,10 @@ def test_prepare_wmt14_follows_fairseqs_wmt14_recipe_end_to_end(tmp_path):
 
     out = tmp_path / "wmt"
     log = run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wmt14", "--pair", "en-de",
-               "--orig", orig, "--out", out, "--bpe-merges", "30", "--workers", "1"])
+               "--orig", orig, "--extract-to", tmp_path / "extracted", "--out", out,
+               "--bpe-merges", "30", "--workers", "1"])
+    assert sorted(p.name for p in orig.iterdir()) == sorted(  # ORIG used as it is
+        [a for a, _ in names.values()] + ["test-full.tgz"])
     tok_en = (out / "tok" / "train.en").read_text().splitlines()
     tok_de = (out / "tok" / "train.de").read_text().splitlines()
     assert tok_de[4] == 'das " Haus " Garten .'  # „“ normalised, zero-width space removed
@@ -445,3 +448,14 @@ def test_non_printing_characters_become_spaces_and_punctuation_is_normalised():
     assert out == 'a b c " d " e ...'
     assert prepare_translation.clean(["a b c d"], ["x"], 250, 0) == (["a b c d"], ["x"])
     assert prepare_translation.clean(["a b c d"], ["x"], 250, 1.5) == ([], [])
+
+
+def test_wmt14_extracts_a_user_set_orig_elsewhere(tmp_path):
+    """ORIG set by the user is used as it is: the archives are extracted beside DATA_DIR."""
+    from tests.recipe_helpers import dry_run
+
+    (command,), _ = dry_run("wmt14", "prepare", ORIG=tmp_path / "mine", DATA_DIR=tmp_path / "d")
+    assert command[command.index("--orig") + 1] == str(tmp_path / "mine")
+    assert command[command.index("--extract-to") + 1] == str(tmp_path / "wmt14-extracted")
+    commands, _ = dry_run("wmt14", "prepare", DATA_DIR=tmp_path / "d")
+    assert "--extract-to" not in commands[-1]  # its own ORIG: extracted in place

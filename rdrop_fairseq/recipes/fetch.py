@@ -37,6 +37,7 @@ Exit status 0 only when every file asked for is there, verified.
 import argparse
 import contextlib
 import errno
+import fcntl
 import hashlib
 import http.client
 import json
@@ -59,10 +60,18 @@ TABLE = Path(__file__).with_name("sources.json")
 USER_AGENT = "rdrop-fairseq-fetch/1.0 (+https://pypi.org/project/rdrop-fairseq/)"
 CHUNK = 1 << 20
 DIGESTS = {"sha256": 64, "md5": 32}
+# seconds for all the tries to connect in one fetch() (every URL): an offline machine, or a
+# firewall that drops packets, gives up within this
+CONNECT_BUDGET = 5.0
+ARCHIVES = (".tar.gz", ".tgz", ".tar", ".zip")
 
 
 class FetchError(Exception):
     """A file that could not be fetched or verified; the message says why and what to do."""
+
+
+class BadInput(ValueError):
+    """An argument refused before anything is fetched."""
 
 
 def offline():
@@ -91,13 +100,15 @@ def file_digest(path, algorithm):
     return h.hexdigest()
 
 
-def check_digest(algorithm, value):
-    """``(algorithm, lower-case hex)``, or ValueError saying what is wrong."""
+def check_digest(algorithm, value, where=None):
+    """``(algorithm, lower-case hex)``, or BadInput saying what is wrong (``where``: the file
+    the value was read from; default: the option)."""
     if algorithm not in DIGESTS:
-        raise ValueError(f"unknown checksum {algorithm!r}: give sha256 or md5")
+        raise BadInput(f"unknown checksum {algorithm!r}: give sha256 or md5")
     value = value.strip().lower()
     if len(value) != DIGESTS[algorithm] or any(c not in "0123456789abcdef" for c in value):
-        raise ValueError(f"--{algorithm} must be {DIGESTS[algorithm]} hex digits, not {value!r}")
+        raise BadInput(f"{where or '--' + algorithm} must hold {DIGESTS[algorithm]} hex "
+                       f"digits, not {value!r}")
     return algorithm, value
 
 
@@ -111,8 +122,75 @@ def recorded(out):
     if path.is_file():
         fields = path.read_text().split()
         if fields:
-            return check_digest("sha256", fields[0])
+            return check_digest("sha256", fields[0], where=f"the recorded checksum {path}")
     return None
+
+
+def archive_check(path, source, name=None):
+    """Read an archive whole (a .tar.gz to the end: gzip checks its CRC only there) and
+    FetchError if it is corrupt, naming it and ``source``; ``name`` (default: the path's)
+    says what kind of file it is. Other files pass."""
+    name = name or Path(path).name
+    try:
+        if name.endswith(".zip"):
+            with zipfile.ZipFile(path) as zf:
+                bad = zf.testzip()
+            if bad:
+                raise zipfile.BadZipFile(f"a bad CRC in {bad}")
+        elif name.endswith((".tar.gz", ".tgz", ".tar")):
+            with tarfile.open(path) as tar:
+                for member in tar:
+                    if member.isfile():
+                        with tar.extractfile(member) as f:
+                            while f.read(CHUNK):
+                                pass
+                if tar.fileobj is not None:
+                    while tar.fileobj.read(CHUNK):
+                        pass
+        elif name.endswith(".parquet"):
+            with open(path, "rb") as f:
+                head = f.read(4)
+                f.seek(-4, os.SEEK_END)
+                if head != b"PAR1" or f.read(4) != b"PAR1":
+                    raise ValueError("no parquet magic at its start and end")
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise
+        raise FetchError(f"{path} (from {source}) is corrupt: {e}") from None
+
+
+@contextlib.contextmanager
+def locked(folder):
+    """Hold an exclusive lock on ``folder`` (flock of the directory: no lock file is left
+    behind): two runs fetching into one folder take turns."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another run fetching into {folder}")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def make_folder(folder):
+    """``folder`` and its missing parents; returns those made (to remove if left empty).
+    BadInput where a path on the way is a file."""
+    folder = Path(folder)
+    for parent in [folder, *folder.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise BadInput(f"{parent} is a file, not a folder")
+    made = [d for d in [folder, *folder.parents] if not d.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return made
+
+
+def remove_if_empty(folders):
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 # ------------------------------------------------------------------------ one download
@@ -126,9 +204,58 @@ class _Answer(Exception):
         self.retry = retry
 
 
+class _ConnectTimeout(OSError):
+    """No connection within the connect time-out (a host that drops packets)."""
+
+
+class _ConnectTimeoutMixin:
+    """Connect (and set up a proxy tunnel, and TLS) within ``connect_timeout``; then wait up
+    to the request's own time-out for data."""
+
+    connect_timeout = CONNECT_BUDGET
+
+    def connect(self):
+        read_timeout, self.timeout = self.timeout, self.connect_timeout
+        try:
+            super().connect()
+        except (socket.timeout, TimeoutError):
+            raise _ConnectTimeout(f"no connection within {self.connect_timeout:.1f} s") from None
+        finally:
+            self.timeout = read_timeout
+        self.sock.settimeout(read_timeout)
+
+
+def _opener(connect_timeout):
+    """A new opener: its ProxyHandler reads the proxy variables now; its connections give up
+    connecting after ``connect_timeout`` seconds."""
+    class Conn(_ConnectTimeoutMixin, http.client.HTTPConnection):
+        pass
+
+    class TLSConn(_ConnectTimeoutMixin, http.client.HTTPSConnection):
+        pass
+
+    Conn.connect_timeout = TLSConn.connect_timeout = connect_timeout
+
+    class Handler(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(Conn, req)
+
+    class TLSHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(TLSConn, req, context=self._context)
+
+    return urllib.request.build_opener(Handler, TLSHandler)
+
+
+_NO_ROUTE = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN,
+             errno.ENETDOWN)
+
+
 def _unreachable(reason):
     """Whether a URLError's reason means no connection could be made at all."""
-    if isinstance(reason, (ConnectionRefusedError, socket.gaierror)):
+    if isinstance(reason, (_ConnectTimeout, ConnectionRefusedError, socket.gaierror)):
+        return True
+    if isinstance(reason, OSError) and reason.errno in _NO_ROUTE:
         return True
     return isinstance(reason, OSError) and "Tunnel connection failed" in str(reason)
 
@@ -184,19 +311,23 @@ def _looks_like_html(head):
     return head.lstrip()[:15].lower().startswith((b"<!doctype html", b"<html"))
 
 
-def _try_url(url, partial, name, timeout):
+def _try_url(url, partial, name, timeout, connect_timeout, unverifiable):
     """Fetch ``url`` into ``partial``, resuming from its bytes. Returns on a complete body;
-    raises _Answer with what went wrong (``retry`` when the same URL may work again)."""
+    raises _Answer with what went wrong (``retry`` when the same URL may work again).
+    ``unverifiable``: no checksum or size will check the file, so a body whose end cannot
+    be told from a cut (no Content-Length, not chunked) is refused."""
     have = partial.stat().st_size if partial.exists() else 0
     headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
     if have:
         headers["Range"] = f"bytes={have}-"
     try:
-        # a new opener each time: its ProxyHandler reads the proxy variables now
-        resp = urllib.request.build_opener().open(urllib.request.Request(url, headers=headers),
-                                                  timeout=timeout)
+        resp = _opener(connect_timeout).open(urllib.request.Request(url, headers=headers),
+                                             timeout=timeout)
     except urllib.error.HTTPError as e:
-        if e.code == 416 and have:  # the partial file is as long as the file, or longer
+        if e.code == 416 and have:
+            size = e.headers.get("Content-Range", "").rpartition("/")[2]
+            if size == str(have):  # the partial file is complete (a run killed after it)
+                return
             partial.unlink()
             raise _Answer("416 for the partial file's range: starting afresh", retry=True)
         raise _Answer(f"{e.code} {e.reason}", retry=e.code >= 500 or e.code == 429)
@@ -223,6 +354,9 @@ def _try_url(url, partial, name, timeout):
                 say(f"{name}: the server ignores Range requests; starting afresh")
             mode, have = "wb", 0
         total = have + length if length is not None else None
+        if total is None and not resp.chunked and unverifiable:
+            raise _Answer("no Content-Length, and no checksum to tell the whole file from a "
+                          "cut one")
         ctype = resp.headers.get("Content-Type", "")
         wants_html = name.endswith((".html", ".htm"))
         if not wants_html and ctype.split(";")[0].strip().lower() == "text/html":
@@ -261,88 +395,91 @@ def _try_url(url, partial, name, timeout):
             progress.close()
         if total is not None and progress.done < total:
             raise _Answer(f"cut after {human(progress.done)} of {human(total)}", retry=True)
+        if total is not None and partial.stat().st_size != total:
+            partial.unlink()  # written to by something else meanwhile
+            raise _Answer(f"{partial} does not hold the {total} bytes received", retry=True)
 
 
 def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=30.0, retries=3,
-          backoff=1.0, local_hint=None):
+          backoff=1.0, local_hint=None, record=True):
     """Fetch ``out`` from the first of ``urls`` that serves it (see the module's docstring);
-    returns ``out``. FetchError says why not; ValueError is bad input, refused before
-    anything is fetched. ``local_hint``: how to pass a local copy instead (in the errors)."""
+    returns ``out``. FetchError says why not; BadInput is bad input, refused before
+    anything is fetched. ``local_hint``: how to pass a local copy instead (in the errors).
+    ``record``: without a public checksum, record the first download's SHA-256 (False:
+    the caller records it once the file has proved whole: ``record_first_seen``)."""
     out = Path(out)
     urls = list(urls)
     for url in urls:
-        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-            raise ValueError(f"{url!r} is not an http(s) URL")
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise BadInput(f"{url!r} is not an http(s) URL")
     if out.is_dir():
-        raise ValueError(f"{out} is a folder: give the file to write (--out FILE)")
+        raise BadInput(f"{out} is a folder: give the file to write (--out FILE)")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise BadInput(f"{parent} is a file, not a folder")
     if sha256 and md5:
-        raise ValueError("give one checksum: --sha256 or --md5")
+        raise BadInput("give one checksum: --sha256 or --md5")
     expected = check_digest("sha256", sha256) if sha256 else (
         check_digest("md5", md5) if md5 else recorded(out))
     partial, bad = out.with_name(out.name + ".partial"), out.with_name(out.name + ".bad")
     if dry_run():  # no hashing either: a dry run reads nothing
-        print(f"++ fetch {urls[0] if urls else '(no URL)'} -> {out}"
-              + (" (there already)" if out.is_file() else ""), flush=True)
+        mirrors = f" (mirrors: {' '.join(urls[1:])})" if len(urls) > 1 else ""
+        there = " (there already)" if out.is_file() else ""
+        print(f"++ fetch {urls[0] if urls else '(no URL)'} -> {out}{there}{mirrors}",
+              flush=True)
         return out
     if out.is_file():
-        if expected is None:
-            say(f"{out} is there already (no checksum known to verify it)")
-            return out
-        got = file_digest(out, expected[0])
-        if got == expected[1]:
-            say(f"{out} is there already, {expected[0]} verified")
-            return out
-        raise FetchError(f"{out} is there already, but its {expected[0]} is {got}, not "
-                         f"{expected[1]}: it is another file; move it away and run again")
+        return _there_already(out, expected, record)
     by_hand = manual_command(urls, out, expected)
     if offline():
         raise FetchError(f"OFFLINE=1 and {out} is missing: it comes from "
                          f"{' or '.join(urls)}; fetch it by hand: {by_hand}")
     if not urls:
         raise FetchError(f"no URL for {out}")
-    made = [d for d in [out.parent, *out.parent.parents] if not d.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tried = []
+    made = make_folder(out.parent)
+    tried, connecting = [], 0.0  # seconds spent failing to connect, all URLs together
     try:
-        for url in urls:
-            fails = 0
-            while True:
-                before = partial.stat().st_size if partial.exists() else 0
-                try:
-                    say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})"
-                                                     if before else ""))
-                    _try_url(url, partial, out.name, timeout)
-                except _Answer as answer:
-                    progressed = (partial.stat().st_size if partial.exists() else 0) > before
-                    fails = 0 if progressed else fails + 1
-                    if not answer.retry or fails >= retries:
-                        tried.append(f"{url}: {answer}")
-                        break
-                    delay = backoff * 2 ** max(fails - 1, 0)
-                    say(f"{out.name}: {answer}; trying again in {delay:.0f} s")
-                    time.sleep(delay)
+        with locked(out.parent):
+            if out.is_file():  # fetched by the run we waited for
+                return _there_already(out, expected, record)
+            for url in urls:
+                if connecting >= CONNECT_BUDGET:
+                    tried.append(f"{url}: not tried (no connection to the URLs before)")
                     continue
-                # complete: verify before it takes its name
-                if size is not None and partial.stat().st_size != size:
-                    got = f"{partial.stat().st_size} bytes, not {size}"
-                elif expected is not None:
-                    digest = file_digest(partial, expected[0])
-                    got = None if digest == expected[1] else \
-                        f"{expected[0]} {digest}, not {expected[1]}"
-                else:
-                    got = None
-                if got is not None:
-                    os.replace(partial, bad)
-                    tried.append(f"{url}: a file with the wrong checksum ({got}; kept as {bad})")
-                    break
-                if expected is None:
-                    digest = file_digest(partial, "sha256")
-                    record_path(out).write_text(f"{digest}  {out.name}\n")
-                    say(f"{out.name}: no public checksum; first seen sha256 {digest} "
-                        f"(recorded in {record_path(out)}, checked on later runs)")
-                os.replace(partial, out)
-                say(f"{out} fetched" + (f", {expected[0]} verified" if expected else ""))
-                return out
+                fails = 0
+                while True:
+                    before = partial.stat().st_size if partial.exists() else 0
+                    start = time.monotonic()
+                    try:
+                        say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})"
+                                                         if before else ""))
+                        _try_url(url, partial, out.name, timeout,
+                                 max(CONNECT_BUDGET - connecting, 0.5),
+                                 unverifiable=expected is None and size is None)
+                    except _Answer as answer:
+                        if str(answer).startswith("no connection"):
+                            connecting += time.monotonic() - start
+                        progressed = (partial.stat().st_size if partial.exists() else 0) > before
+                        fails = 0 if progressed else fails + 1
+                        if not answer.retry or fails >= retries:
+                            tried.append(f"{url}: {answer}")
+                            break
+                        delay = backoff * 2 ** max(fails - 1, 0)
+                        say(f"{out.name}: {answer}; trying again in {delay:.0f} s")
+                        time.sleep(delay)
+                        continue
+                    problem = _verify(partial, expected, size, url, out.name)
+                    if problem is not None:
+                        os.replace(partial, bad)
+                        tried.append(f"{url}: {problem} (kept as {bad})")
+                        break
+                    os.replace(partial, out)
+                    bad.unlink(missing_ok=True)
+                    if expected is None and record:
+                        record_first_seen(out)
+                    say(f"{out} fetched" + (f", {expected[0]} verified" if expected else ""))
+                    return out
     except KeyboardInterrupt:
         if partial.exists() and partial.stat().st_size:
             say(f"interrupted: {partial} keeps {human(partial.stat().st_size)}; "
@@ -351,12 +488,52 @@ def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=30.0, retries=
     finally:
         if partial.exists() and not partial.stat().st_size:
             partial.unlink()
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only where empty: nothing else is left behind
+        remove_if_empty(made)  # only where empty: nothing else is left behind
     reasons = "; ".join(tried)
     hint = f", or {local_hint}" if local_hint else ""
     raise FetchError(f"cannot fetch {out.name}: {reasons}. Fetch it by hand ({by_hand}){hint}")
+
+
+def _there_already(out, expected, record):
+    if expected is None:
+        say(f"{out} is there already (no checksum known to verify it)")
+        if record:
+            record_first_seen(out)
+        return out
+    got = file_digest(out, expected[0])
+    if got == expected[1]:
+        say(f"{out} is there already, {expected[0]} verified")
+        return out
+    raise FetchError(f"{out} is there already, but its {expected[0]} is {got}, not "
+                     f"{expected[1]}: it is another file; move it away and run again")
+
+
+def _verify(path, expected, size, url, name):
+    """None if the complete download ``path`` is the file, else what is wrong with it.
+    Without a checksum, an archive is read whole (a cut or corrupt one fails)."""
+    if size is not None and path.stat().st_size != size:
+        return f"{path.stat().st_size} bytes, not {size}"
+    if expected is not None:
+        digest = file_digest(path, expected[0])
+        return None if digest == expected[1] else \
+            f"a file with the wrong checksum ({expected[0]} {digest}, not {expected[1]})"
+    try:
+        archive_check(path, url, name)
+    except FetchError as e:
+        return "a corrupt archive (" + str(e).replace(f"{path} (from {url}) is corrupt: ", "") + ")"
+    return None
+
+
+def record_first_seen(out):
+    """Record the SHA-256 of ``out`` beside it (no public checksum: later runs check it)."""
+    if record_path(out).is_file():
+        return
+    digest = file_digest(out, "sha256")
+    tmp = record_path(out).with_suffix(".tmp")
+    tmp.write_text(f"{digest}  {out.name}\n")
+    os.replace(tmp, record_path(out))
+    say(f"{out.name}: no public checksum; first seen sha256 {digest} "
+        f"(recorded in {record_path(out)}, checked on later runs)")
 
 
 def manual_command(urls, out, expected=None):
@@ -400,7 +577,7 @@ def get(name, downloads, dest=None, table=None):
     DEST made from them (unless there already). Returns DEST, or the downloaded paths."""
     table = table if table is not None else load_sources()
     if name not in table:
-        raise FetchError(f"no source {name!r} in the table; the sources are "
+        raise FetchError(f"no source {name!r} in the source table; its sources are "
                          f"{', '.join(sorted(table))}")
     entry = table[name]
     if entry.get("manual"):
@@ -410,22 +587,27 @@ def get(name, downloads, dest=None, table=None):
         raise FetchError(f"{name} has no live source known to us: {entry['manual']}")
     dest = Path(dest) if dest else None
     if dest is not None and dest.exists():
+        if not dest.is_dir():
+            raise BadInput(f"{dest} is a file: {name} is made as a folder there")
         say(f"{dest} is there already ({name})")
         return dest
     downloads = Path(downloads)
-    paths, missing_paths = [], []
+    paths, missing = [], []
     for spec in entry["files"]:
         out = downloads / spec["name"]
+        check = _checksum_of(spec)
         try:
+            # without a public checksum, a file that DEST is made from is recorded once
+            # DEST is made: a file that the making refuses is not pinned
             fetch(spec["urls"], out, size=spec.get("size"), local_hint=entry.get("local"),
-                  **({k: v for k, v in [_checksum_of(spec)]} if _checksum_of(spec) else {}))
+                  record=dest is None, **({check[0]: check[1]} if check else {}))
         except FetchError as e:
             if not offline():
                 raise
-            missing_paths.append(str(e).replace("OFFLINE=1 and ", ""))
+            missing.append(str(e).replace("OFFLINE=1 and ", ""))
         paths.append(out)
-    if missing_paths:
-        raise FetchError("OFFLINE=1: " + " | ".join(missing_paths)
+    if missing:
+        raise FetchError("OFFLINE=1: " + " | ".join(missing)
                          + (f" | or {entry['local']}" if entry.get("local") else ""))
     if dest is None:
         return paths
@@ -433,45 +615,70 @@ def get(name, downloads, dest=None, table=None):
         print(f"++ make {dest} ({entry.get('make', 'copy')}) from "
               f"{', '.join(p.name for p in paths)}", flush=True)
         return dest
-    make(entry.get("make", "copy"), paths, dest, entry)
+    unchecked = [p for p, spec in zip(paths, entry["files"]) if not _checksum_of(spec)]
+    try:
+        make(entry.get("make", "copy"), paths, dest, entry)
+    except FetchError as e:
+        if not unchecked:
+            raise
+        for path in unchecked:  # set aside, so that the next run fetches them afresh
+            os.replace(path, path.with_name(path.name + ".bad"))
+            record_path(path).unlink(missing_ok=True)
+        raise FetchError(f"{e}. No public checksum checked {'them' if len(unchecked) > 1 else 'it'}:"
+                         f" set aside as .bad, fetched afresh by the next run") from None
+    for path in unchecked:
+        record_first_seen(path)
     return dest
 
 
 def make(kind, paths, dest, entry):
-    """DEST from the downloaded ``paths``, made whole in a sibling folder, then renamed."""
+    """DEST from the downloaded ``paths``, made whole in a sibling folder, then renamed.
+    FetchError names the files and their source when they cannot be made into DEST."""
     from . import prepare_cnndm, prepare_glue
 
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # a run killed while making DEST
-    made_parent = not dest.parent.exists()
-    tmp.mkdir(parents=True)
+    made = make_folder(dest.parent)
+    source = ", ".join(f["urls"][0] for f in entry["files"])
     try:
-        if kind == "copy":
-            for path in paths:
-                shutil.copyfile(path, tmp / path.name)
-        elif kind == "unpack":
-            unpack(paths[0], tmp, entry)
-        elif kind == "mrpc":
-            prepare_glue.mrpc_from_senteval(*paths, tmp)
-        elif kind == "cnndm":
-            prepare_cnndm.from_parquet(paths, tmp)
-        else:
-            raise FetchError(f"unknown way to make {dest}: {kind!r}")
-        os.replace(tmp, dest)
+        with locked(dest.parent):
+            if dest.exists():  # made by the run we waited for
+                return
+            for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)  # a run killed while making DEST
+            tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+            tmp.mkdir()
+            try:
+                if kind == "copy":
+                    for path in paths:
+                        shutil.copyfile(path, tmp / path.name)
+                elif kind == "unpack":
+                    unpack(paths[0], tmp, source)
+                elif kind == "mrpc":
+                    prepare_glue.mrpc_from_senteval(*paths, tmp)
+                elif kind == "cnndm":
+                    prepare_cnndm.from_parquet(paths, tmp)
+                else:
+                    raise FetchError(f"unknown way to make {dest}: {kind!r}")
+                os.replace(tmp, dest)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    except (OSError, ValueError, KeyError, prepare_glue.GlueDataError) as e:
+        remove_if_empty(made)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise FetchError(f"the disk is full while making {dest}: free space and run "
+                             "again") from None
+        names = ", ".join(str(p) for p in paths)
+        raise FetchError(f"{names} (from {source}) cannot be made into {dest}: "
+                         f"{e.__class__.__name__}: {e}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if made_parent:
-            with contextlib.suppress(OSError):
-                dest.parent.rmdir()
+        remove_if_empty(made)
         raise
     say(f"{dest} made from {', '.join(p.name for p in paths)}")
 
 
-def unpack(archive, into, entry):
+def unpack(archive, into, source):
     """The archive's files into ``into``, without their common top folder (``roberta.base/``,
-    ``RTE/``); a corrupt archive is an error that names it and its source."""
-    source = ", ".join(entry["files"][0]["urls"][:1])
+    ``RTE/``); a corrupt archive is FetchError naming it and ``source``."""
     try:
         if zipfile.is_zipfile(archive):
             with zipfile.ZipFile(archive) as zf:
@@ -493,11 +700,13 @@ def unpack(archive, into, entry):
                 for m in members:
                     m.name = m.name[len(top):]
                 tar.extractall(into, members=members, filter="data")
+                if tar.fileobj is not None:  # gzip checks its CRC at the end only
+                    while tar.fileobj.read(CHUNK):
+                        pass
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as e:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise
-        raise FetchError(f"{archive} (from {source}) cannot be extracted: {e}. No checksum "
-                         "checked it: delete it and run again, or fetch it by hand") from None
+        raise FetchError(f"{archive} (from {source}) cannot be extracted: {e}") from None
 
 
 def _common_top(names):
@@ -573,7 +782,7 @@ def main(argv=None):
                 errors.append(str(e))  # OFFLINE=1: name every missing input, then fail
         if errors:
             raise FetchError("\n".join(errors))
-    except ValueError as e:
+    except BadInput as e:
         p.error(str(e))
     except FetchError as e:
         sys.exit(f"error: {e}")

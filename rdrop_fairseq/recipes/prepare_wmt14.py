@@ -41,6 +41,7 @@ them there: ``python -m rdrop_fairseq.recipes.fetch --dir ORIG NAME ...``, names
 """
 
 import gzip
+import os
 import re
 import subprocess
 import sys
@@ -89,10 +90,15 @@ def corpora(pair, icml17=False):
     return spec
 
 
-def extract(sources, orig):
-    """Each archive of ``sources`` (source table names) from ``orig``, extracted once. Nothing
-    is downloaded here: scripts/wmt14.sh fetches them into its default ORIG."""
+def extract(sources, orig, into):
+    """Each archive of ``sources`` (source table names) from ``orig``, extracted once into
+    ``into``. Nothing is downloaded here: scripts/wmt14.sh fetches them into its default
+    ORIG."""
     table = downloader.load_sources()
+    unknown = [name for name in sources if name not in table]
+    if unknown:
+        sys.exit(f"error: the source table has no {', '.join(unknown)} (RDROP_SOURCES="
+                 f"{os.environ.get('RDROP_SOURCES', '')!s} replaces the packaged one?)")
     files = [(name, table[name]["files"][0]["name"]) for name in sources]
     missing = [(name, f) for name, f in files if not (orig / f).is_file()]
     if missing:
@@ -100,14 +106,15 @@ def extract(sources, orig):
                  f"{'them' if len(missing) > 1 else 'it'} with python -m "
                  f"rdrop_fairseq.recipes.fetch --dir {orig} "
                  f"{' '.join(name for name, _ in missing)} (docs/data.md)")
+    into.mkdir(parents=True, exist_ok=True)
     for _, name in files:
         archive = orig / name
-        done = orig / f".{archive.name}.extracted"
+        done = into / f".{archive.name}.extracted"
         if not done.exists():
             print(f"[wmt14] extracting {archive.name}", flush=True)
             try:
                 with tarfile.open(archive) as tar:
-                    tar.extractall(orig, filter="data")
+                    tar.extractall(into, filter="data")
             except (tarfile.TarError, EOFError) as e:
                 sys.exit(f"error: {archive} cannot be extracted ({e}); delete it and fetch "
                          "it again")
@@ -184,6 +191,8 @@ def main(argv=None):
                       help="directory with the official archives (scripts/wmt14.sh fetches "
                            "them into its default ORIG)")
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--extract-to", type=Path,
+                   help="where the archives are extracted (default: --orig itself)")
     p.add_argument("--icml17", action="store_true", help="En-De with news-commentary v9")
     p.add_argument("--bpe-merges", type=int, help="default: 32000 (not with --google, "
                                                         "whose files are BPE'd already)")
@@ -203,9 +212,10 @@ def main(argv=None):
                 "(scripts/wmt14.sh fetches them)")
     with made_or_removed(a.out):  # a failure leaves no half-made OUT
         spec = corpora(a.pair, a.icml17)
-        extract(spec["archives"], a.orig)
+        into = a.extract_to or a.orig
+        extract(spec["archives"], a.orig, into)
         src, tgt = a.pair.split("-")
-        assemble(a.pair, a.orig, a.out / "raw", a.icml17)
+        assemble(a.pair, into, a.out / "raw", a.icml17)
         subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation",
                         "--raw", str(a.out / "raw"), "--src", src, "--tgt", tgt,
                         "--out", str(a.out),
