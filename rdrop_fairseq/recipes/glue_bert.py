@@ -35,6 +35,7 @@ from .common import ArgumentParser, made_or_removed, need, write_json
 from .evaluate_glue import METRICS, task_metrics
 
 MAX_LENGTH = 128  # run_glue's max_seq_length
+FEATURES = ("input_ids", "token_type_ids")  # what prepare keeps of the tokenizer's output
 MODES = ("rdrop", "no-kl", "baseline", "doubled-batch")
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER = ("tokenizer.json", "vocab.txt")
@@ -94,7 +95,7 @@ def prepare(a):
                                 truncation=True, max_length=a.max_length)
             with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
                 for i, (_, label) in enumerate(rows):
-                    example = {key: encoded[key][i] for key in ("input_ids", "token_type_ids")}
+                    example = {key: encoded[key][i] for key in FEATURES if key in encoded}
                     example["label"] = float(label) if spec.regression else label
                     f.write(json.dumps(example) + "\n")
             print(f"[prepare] {a.task} {split}: {len(rows)} examples -> {out / split}.jsonl",
@@ -120,7 +121,7 @@ def training_arguments(parser, argv):
 def examples(rows, labels):
     """Trainer examples: token ids, token types and the label (class index, or the score)."""
     index = {label: i for i, label in enumerate(labels or ())}
-    return [{"input_ids": row["input_ids"], "token_type_ids": row["token_type_ids"],
+    return [{**{key: row[key] for key in FEATURES if key in row},
              "labels": index[row["label"]] if labels else row["label"]} for row in rows]
 
 
@@ -204,7 +205,8 @@ def predict(model, rows, batch_size, device):
             length = max(len(rows[i]["input_ids"]) for i in index)
             batch = {key: torch.tensor([rows[i][key] + [fill] * (length - len(rows[i][key]))
                                         for i in index], device=device)
-                     for key, fill in (("input_ids", pad), ("token_type_ids", 0))}
+                     for key, fill in (("input_ids", pad), ("token_type_ids", 0))
+                     if key in rows[index[0]]}
             batch["attention_mask"] = torch.tensor(
                 [[1] * len(rows[i]["input_ids"]) + [0] * (length - len(rows[i]["input_ids"]))
                  for i in index], device=device)
