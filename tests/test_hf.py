@@ -219,14 +219,6 @@ def test_evaluation_and_prediction_run_one_pass_of_the_batch_as_it_is(tmp_path):
     torch.testing.assert_close(torch.as_tensor(predictions), logits)
 
 
-class GradientAtStep(TrainerCallback):
-    """The accumulated gradient just before the optimizer's step (clipping off)."""
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grad = torch.cat([p.grad.flatten().clone() for p in model.parameters()
-                               if p.grad is not None])
-
-
 def test_gradient_accumulation_gives_the_gradient_of_one_batch_k_times_as_large(tmp_path):
     """Token classification, micro-batches with different numbers of labelled tokens: 2 steps
     of 4 examples accumulate the gradient of one step of 8. Dropout is off and a forward
@@ -242,6 +234,13 @@ def test_gradient_accumulation_gives_the_gradient_of_one_batch_k_times_as_large(
         if module.training:
             half = out.size(0) // 2
             return torch.cat([out[:half], out[half:] * 0.5 + 0.3])
+
+    class GradientAtStep(TrainerCallback):
+        """The accumulated gradient just before the optimizer's step (clipping off)."""
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grad = torch.cat([p.grad.flatten().clone() for p in model.parameters()
+                                   if p.grad is not None])
 
     model.classifier.register_forward_hook(second_pass_differs)
     state = {k: v.clone() for k, v in model.state_dict().items()}
