@@ -121,12 +121,15 @@ class RDropTrainer(Trainer):
             total = rdrop_loss(logits, labels, alpha=self.rdrop_alpha,
                                ignore_index=IGNORE_INDEX, impl=self.rdrop_impl,
                                grad_in_scores=False if return_outputs else "auto").total
+        scale = 1
         if num_items_in_batch is None:  # called outside the training loop: this batch
             num_items_in_batch = labelled_items(labels)
+        elif self.args.average_tokens_across_devices and self.args.world_size > 1:
+            # the count is over all processes (get_batch_samples), and DDP averages gradients
+            scale = self.args.world_size
         loss = total / torch.as_tensor(num_items_in_batch, device=total.device).clamp_min(1)
-        if self.args.average_tokens_across_devices and self.args.world_size > 1:
-            # the count is the whole batch's over all processes, and DDP averages gradients
-            loss = loss * self.args.world_size
+        if scale != 1:
+            loss = loss * scale
         return (loss, outputs) if return_outputs else loss
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
