@@ -9,6 +9,7 @@ checked against the paper's table in dry runs."""
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -20,6 +21,9 @@ from rdrop_fairseq.recipes import glue_bert
 from tests.recipe_helpers import OFFLINE, dry_run, script
 from tests.test_glue_recipe import write_glue
 
+# nothing may come from the Hugging Face hub (read when huggingface_hub is imported; the
+# script's processes get it from the test's env)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MINILM = Path(sys.prefix) / "share" / "rdrop-fairseq" / "all-MiniLM-L6-v2"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PAPER = {"CoLA": (5336, 16, "0.5"), "MRPC": (2296, 16, "1.0"), "RTE": (3120, 8, "1.0"),

@@ -10,12 +10,17 @@ for sentence pairs with token types and padding.
 """
 
 import math
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+# nothing here may come from the Hugging Face hub: a load that tried would fail at once
+# (read when huggingface_hub is imported)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 try:  # scripts/gpu_check.sh collects the suite (pytest -m cuda) where transformers may be
     # missing; here, in scripts/setup.sh's environment, it is not (a test fails without it)
@@ -404,7 +409,6 @@ def test_the_triton_kernel_gives_the_torch_implementations_loss_and_gradient():
     """rdrop_impl='triton' reaches the fused kernel: here in Triton's CPU interpreter
     (TRITON_INTERPRET=1 must be set before triton is imported: a fresh interpreter), on a
     classification and a masked-LM head, against rdrop_impl='torch' with the same dropout."""
-    import os
     import subprocess
     import textwrap
 
