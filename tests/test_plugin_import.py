@@ -114,9 +114,10 @@ def test_user_dir_registers_every_criterion_model_and_task(case):
 
 
 def test_the_core_does_not_import_fairseq():
-    """``rdrop_fairseq.core`` and ``fused_linear`` need torch alone: fairseq stays unloaded
-    though it is installed; the checkpoint allow-list is still set on a plain import. A recipe
-    module that only runs fairseq's tools imports neither."""
+    """``rdrop_fairseq.core`` and ``fused_linear`` need torch alone: fairseq and transformers
+    stay unloaded though they are installed; the checkpoint allow-list is still set on a
+    plain import. A recipe module that only runs fairseq's tools imports neither torch nor
+    fairseq, and ``rdrop_fairseq.hf`` (RDropTrainer) no fairseq."""
     assert importlib.util.find_spec("fairseq") is not None, "the check needs fairseq installed"
     out = python("""
         import argparse, json, sys
@@ -127,14 +128,18 @@ def test_the_core_does_not_import_fairseq():
         from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
         logits = torch.randn(4, 7, requires_grad=True)
         rdrop_loss(logits, torch.tensor([1, 2]), alpha=1.0).total.backward()
+        transformers = sorted(m for m in sys.modules if m.split(".")[0] == "transformers")
+        from rdrop_fairseq.hf import RDropTrainer  # Hugging Face's side: no fairseq either
         print(json.dumps({
             "recipe": recipe,
             "fairseq": sorted(m for m in sys.modules if m.split(".")[0] == "fairseq"),
             "criteria": "rdrop_fairseq.criterions" in sys.modules,
             "allow_listed": argparse.Namespace in torch.serialization.get_safe_globals(),
+            "transformers": transformers,
         }))
     """)
-    assert out == {"recipe": [], "fairseq": [], "criteria": False, "allow_listed": True}
+    assert out == {"recipe": [], "fairseq": [], "criteria": False, "allow_listed": True,
+                   "transformers": []}
 
 
 def test_importing_fairseq_later_registers_the_plugin():

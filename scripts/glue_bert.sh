@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# GLUE with R-Drop on BERT-base through Hugging Face, the paper's BERT-base row: fine-tuned
+# with RDropTrainer (rdrop_fairseq.hf) on one GPU per task, with the task's max updates,
+# batch (sentences) and alpha (the paper's appendix table 1) and the paper's optimiser;
+# where the paper is silent, Hugging Face's run_glue defaults (docs/glue.md lists each).
+#
+#   TASK=RTE bash scripts/glue_bert.sh [prepare|train|evaluate|all] [extra arguments]
+#   TASK=MRPC MODE=baseline SEED=2 bash scripts/glue_bert.sh train
+#   TASK=CoLA DRY_RUN=1 bash scripts/glue_bert.sh train     # print the commands only
+#
+# Inputs (downloads are yours: docs/glue.md): GLUE_DIR (the GLUE tasks' TSVs), BERT_DIR (a
+# local Hugging Face bert-base-uncased folder: config.json, model.safetensors or
+# pytorch_model.bin, tokenizer.json or vocab.txt). Environment: TASK (CoLA, MRPC, RTE,
+# SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
+# doubled-batch), ALPHA, SEED, MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ steps of
+# batch/UPDATE_FREQ sentences), GPUS (0 or 1), CPU, BF16, FP16, PYTHON, DRY_RUN.
+# Arguments after train are Hugging Face TrainingArguments (--warmup_ratio 0.06); after
+# prepare / evaluate, options of the Python module. Rerunning train resumes from the last
+# checkpoint-N of SAVE_DIR.
+source "$(dirname "$0")/lib/common.sh"
+
+# the paper's per-task settings: max updates, batch (sentences), alpha
+for name in CoLA MRPC RTE SST-2 MNLI QNLI QQP STS-B; do  # TASK in any case
+  [ "${TASK:-}" != "${name,,}" ] && [ "${TASK:-}" != "${name^^}" ] || TASK=$name
+done
+case ${TASK:-} in
+  CoLA)  SETTINGS=(5336 16 0.5) ;;
+  MRPC)  SETTINGS=(2296 16 1.0) ;;
+  RTE)   SETTINGS=(3120 8 1.0) ;;
+  SST-2) SETTINGS=(20935 32 1.0) ;;
+  MNLI)  SETTINGS=(123873 32 0.5) ;;
+  QNLI)  SETTINGS=(33112 32 1.0) ;;
+  QQP)   SETTINGS=(113272 32 0.5) ;;
+  STS-B) SETTINGS=(3598 16 1.0) ;;
+  *) die "TASK must be one of CoLA, MRPC, RTE, SST-2, MNLI, QNLI, QQP, STS-B, not '${TASK:-}'" ;;
+esac
+PAPER_MAX_UPDATE=${SETTINGS[0]} BATCH=${SETTINGS[1]}
+GLUE_DIR=${GLUE_DIR:-work/glue_data}
+BERT_DIR=${BERT_DIR:-work/bert-base-uncased}
+DATA_DIR=${DATA_DIR:-work/glue-bert}
+SAVE_DIR=${SAVE_DIR:-checkpoints/glue_bert.$TASK.$MODE.seed$SEED}
+parse_stage "$@"
+make_absolute GLUE_DIR BERT_DIR
+BIN=$DATA_DIR/$TASK  # the tokenised task (run_stages: all skips prepare when it is there)
+detect_devices
+set_mode "${SETTINGS[2]}"  # checks MODE and ALPHA; BATCH_FACTOR 2 for doubled-batch
+
+BERT_FILES="a local copy of Hugging Face's bert-base-uncased (config.json, model.safetensors or pytorch_model.bin, tokenizer.json or vocab.txt); docs/glue.md says where to get it"
+
+prepare() {
+  need "$GLUE_DIR/$TASK/train.tsv" \
+       "GLUE_DIR must hold the GLUE tasks as the GLUE download script writes them ($TASK/train.tsv, dev.tsv); docs/glue.md says where to get them"
+  need "$BERT_DIR/config.json" "BERT_DIR must be $BERT_FILES"
+  run "$PYTHON" -m rdrop_fairseq.recipes.glue_bert prepare "$TASK" --glue-dir "$GLUE_DIR" \
+      --bert-dir "$BERT_DIR" --out "$BIN" "${EXTRA[@]}"
+}
+
+train() {
+  need "$BIN/meta.json" "run: TASK=$TASK bash scripts/glue_bert.sh prepare"
+  need "$BERT_DIR/config.json" "BERT_DIR must be $BERT_FILES"
+  # one GPU, as the paper and the authors' run.sh (several would be DataParallel)
+  (( DEVICES == 1 )) || die "glue_bert.sh fine-tunes on one GPU, as the paper: set GPUS=1" \
+                            "(CUDA_VISIBLE_DEVICES picks it; one task per GPU)"
+  UPDATE_FREQ=${UPDATE_FREQ:-1}
+  (( BATCH % UPDATE_FREQ == 0 )) ||
+    die "UPDATE_FREQ=$UPDATE_FREQ does not divide $TASK's batch of $BATCH sentences"
+  local batch_size=$(( BATCH / UPDATE_FREQ * BATCH_FACTOR )) mode_args=(--mode "$MODE")
+  [ "$MODE" != rdrop ] || mode_args+=(--alpha "${ALPHA:-${SETTINGS[2]}}")
+  local device_args=()
+  if [ "$GPUS" = 0 ]; then
+    device_args=(--use_cpu)
+  elif [ "${BF16:-0}" = 1 ]; then
+    device_args=(--bf16)
+  elif [ "${FP16:-1}" = 1 ]; then
+    device_args=(--fp16)  # as the authors' run.sh
+  fi
+  say "batch: 1 device x $UPDATE_FREQ steps x $batch_size sentences" \
+      "= $(( batch_size * UPDATE_FREQ )) sentences per update (the paper's: $BATCH)"
+  # the paper's optimiser (Adam, betas 0.9 / 0.98, eps 1e-6, weight decay 0.01, lr 1e-5);
+  # the rest is TrainingArguments' defaults, as run_glue's (linear decay, no warmup,
+  # gradient clipping at 1.0; dropout 0.1 is BERT's config)
+  run "$PYTHON" -m rdrop_fairseq.recipes.glue_bert train "$TASK" --data "$BIN" \
+      --bert-dir "$BERT_DIR" "${mode_args[@]}" -- \
+      --output_dir "$SAVE_DIR" --seed "$SEED" --max_steps "${MAX_UPDATE:-$PAPER_MAX_UPDATE}" \
+      --per_device_train_batch_size "$batch_size" --gradient_accumulation_steps "$UPDATE_FREQ" \
+      --learning_rate 1e-5 --adam_beta1 0.9 --adam_beta2 0.98 --adam_epsilon 1e-6 \
+      --weight_decay 0.01 "${device_args[@]}" "${EXTRA[@]}"
+}
+
+evaluate() {
+  need "$SAVE_DIR/final/glue.json" "train first: TASK=$TASK bash scripts/glue_bert.sh train"
+  # the dev set(s) with the task's metric (MNLI: matched and mismatched)
+  run "$PYTHON" -m rdrop_fairseq.recipes.glue_bert evaluate "$TASK" --data "$BIN" \
+      --save-dir "$SAVE_DIR" --json "$SAVE_DIR/dev.json" "${EVAL_DEVICE[@]}" "${EXTRA[@]}"
+}
+
+run_stages
