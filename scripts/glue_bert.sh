@@ -8,9 +8,10 @@
 #   TASK=MRPC MODE=baseline SEED=2 bash scripts/glue_bert.sh train
 #   TASK=CoLA DRY_RUN=1 bash scripts/glue_bert.sh train     # print the commands only
 #
-# Inputs (downloads are yours: docs/glue.md): GLUE_DIR (the GLUE tasks' TSVs), BERT_DIR (a
-# local Hugging Face bert-base-uncased folder: config.json, model.safetensors or
-# pytorch_model.bin, tokenizer.json or vocab.txt). Environment: TASK (CoLA, MRPC, RTE,
+# Inputs, each fetched into its default place unless set (docs/data.md; OFFLINE=1: none):
+# GLUE_DIR (the GLUE tasks' TSVs; default work/glue_data), BERT_DIR (a Hugging Face
+# bert-base-uncased folder: config.json, model.safetensors or pytorch_model.bin,
+# tokenizer.json or vocab.txt; default work/bert-base-uncased), DOWNLOADS. Environment: TASK (CoLA, MRPC, RTE,
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
 # doubled-batch), ALPHA, SEED, MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ steps of
 # batch/UPDATE_FREQ sentences), GPUS (0 or 1), CPU, BF16, FP16, PYTHON, DRY_RUN.
@@ -45,11 +46,16 @@ BIN=$DATA_DIR/$TASK  # the tokenised task (run_stages: all skips prepare when it
 detect_devices
 set_mode "${SETTINGS[2]}"  # checks MODE and ALPHA; BATCH_FACTOR 2 for doubled-batch
 
-BERT_FILES="a local copy of Hugging Face's bert-base-uncased (config.json, model.safetensors or pytorch_model.bin, tokenizer.json or vocab.txt); docs/glue.md says where to get it"
+BERT_FILES="a local copy of Hugging Face's bert-base-uncased (config.json, model.safetensors or pytorch_model.bin, tokenizer.json or vocab.txt); docs/data.md says where it comes from"
 
 prepare() {
-  need "$GLUE_DIR/$TASK/train.tsv" \
-       "GLUE_DIR must hold the GLUE tasks as the GLUE download script writes them ($TASK/train.tsv, dev.tsv); docs/glue.md says where to get them"
+  # the inputs given are checked first, then the others are fetched
+  WANTED=()
+  input GLUE_DIR "$TASK/train.tsv" "GLUE_DIR must hold the GLUE tasks as the GLUE download script writes them ($TASK/train.tsv, dev.tsv)" \
+        "glue-$TASK=$GLUE_DIR/$TASK"
+  input BERT_DIR config.json "BERT_DIR must be $BERT_FILES" "bert-base-uncased=$BERT_DIR"
+  fetch "${WANTED[@]}"
+  need "$GLUE_DIR/$TASK/train.tsv" "GLUE_DIR must hold $TASK/train.tsv"
   need "$BERT_DIR/config.json" "BERT_DIR must be $BERT_FILES"
   run "$PYTHON" -m rdrop_fairseq.recipes.glue_bert prepare "$TASK" --glue-dir "$GLUE_DIR" \
       --bert-dir "$BERT_DIR" --out "$BIN" "${EXTRA[@]}"
