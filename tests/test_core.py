@@ -433,7 +433,8 @@ def test_no_host_sync_and_ops_independent_of_padding(mode):
 def test_op_count_grows_with_chunks_only():
     """A 256 MiB chunk at V = 32k and 4096 positions per pass: few chunks, few ops. Counted at
     512 positions with 32 MiB chunks: the same chunks (3 whole, 1 part), so the same ops one
-    by one (checked once at both sizes: 148 each; 4096 positions cost 14 CPU-s, 512 2.4)."""
+    by one (checked at both sizes: 137 each, 20 per chunk; 4096 positions cost 14 CPU-s,
+    512 2.4)."""
     v, n = 32000, 4096
     rows = chunk_rows_for(v, torch.zeros(2, v), 256.0)  # needs the dtype and device only
     assert rows == 256 * 2**20 // (2 * v * 4) == 1048  # 2 float32 rows per pair: 4 chunks
