@@ -381,6 +381,17 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
       with ``P = pcoef, Ka = KL(pa||pb), Kb = KL(pb||pa)`` from logits (the log_softmax
       chain folded in) and ``P = Ka = Kb = 0`` from log-probabilities.
 
+    Every sum over V (the softmax's normaliser ``s``, ``sum la``, the KL row dots
+    ``sum pa d``) is a ``torch.sum`` over the last dimension, which adds pairwise (a
+    cascade on CPU, a tree on CUDA): its float32 error grows with log V, not with V as that
+    of a running sum (``log_softmax``'s normaliser on CPU, a BLAS dot product) does. From
+    logits, a chunk holds ``x - m`` (``m`` the row's max: exact for fp16/bf16 logits, one
+    rounding relative to ``x - m`` for float32), ``p = exp(x - m) / s``, and the
+    log-probabilities ``x - m - log s`` are never formed: ``log s`` is a per-row constant,
+    subtracted from the row's statistics after the loop, and it cancels in ``d - Ka``, so
+    the gradient never needs it. One exp per element, and per-row scalars in the compute
+    dtype (nothing in float64 for float32 scores).
+
     Chunks of ``chunk_rows`` pairs; every op works on both passes at once where it can,
     because on a GPU each op is a kernel launch. Rows where ``kept`` (N,) is False get a
     gradient of 0 (their stats are left to the caller to mask). Without ``need_grad`` the
@@ -390,58 +401,79 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
     ``fp16_max`` (stats row 4 undoes it).
     """
     dtype = _compute_dtype(pairs)
-    n = pairs.size(1)
+    n, vocab = pairs.size(1), pairs.size(2)
+    device = pairs.device
     grad = None
     if need_grad:
         grad = out if out is not None else torch.empty(pairs.shape, dtype=pairs.dtype,
-                                                       device=pairs.device)
+                                                       device=device)
     # scores in the compute dtype (fp32 logits, say): the probabilities live in the
     # gradient buffer until the gradient overwrites them, halving a chunk's temporaries
     in_place = need_grad and pairs.dtype == dtype
-    index = target.view(1, n, 1).expand(2, n, 1)
     scale_fp16 = need_grad and pairs.dtype == torch.float16
-    # per-row results are written into buffers made up front: no small tensor outlives a
-    # chunk, so the allocator hands each chunk the memory the last one freed
-    at_target = torch.empty((2, n, 1), dtype=dtype, device=pairs.device)
-    sums = torch.empty((2, n), dtype=dtype, device=pairs.device)
-    dots = torch.empty((n, 2, 1), dtype=dtype, device=pairs.device)
-    inv_scale = torch.ones(n, dtype=dtype, device=pairs.device)
-    zero = torch.zeros((), dtype=dtype, device=pairs.device)
-    grads = grad.split(chunk_rows, 1) if need_grad else [None] * math.ceil(n / chunk_rows)
-    for x, t, k, g, at, sm, dot, inv in zip(
-            pairs.split(chunk_rows, 1), index.split(chunk_rows, 1),
-            kept.view(1, n, 1).split(chunk_rows, 1), grads,
-            at_target.split(chunk_rows, 1), sums.split(chunk_rows, 1), dots.split(chunk_rows),
-            inv_scale.split(chunk_rows)):
+    index = target.view(1, n, 1).expand(2, n, 1)
+    # per-row results are written into buffers made up front, and a chunk's temporaries
+    # into chunk-sized ones made once: nothing is allocated in the loop
+    per_row = torch.empty((4, 2, n, 1), dtype=dtype, device=device)
+    at_target, sums, dots, norms = per_row.unbind(0)
+    rows = min(chunk_rows, n)
+    work = torch.empty((2, rows, vocab), dtype=dtype, device=device)
+    probs = None if in_place else torch.empty((2, rows, vocab), dtype=dtype, device=device)
+    # fp16: the factors that undo the gradient's scale, per row pair (1 elsewhere)
+    inv_scale = torch.ones(n if scale_fp16 else 1, dtype=dtype, device=device)
+    chunks = [pairs.split(chunk_rows, 1), index.split(chunk_rows, 1),
+              kept.view(1, n, 1).split(chunk_rows, 1), at_target.split(chunk_rows, 1),
+              sums.split(chunk_rows, 1), dots.split(chunk_rows, 1), norms.split(chunk_rows, 1)]
+    count = len(chunks[0])
+    chunks.append(inv_scale.split(chunk_rows) if scale_fp16 else [None] * count)
+    chunks.append(grad.split(chunk_rows, 1) if need_grad else [None] * count)
+    # 0-dim operands, made on the device (a torch.tensor of a list would copy from the host)
+    minus_eps, base, zero = (torch.full((), value, dtype=dtype, device=device)
+                             for value in (-eps_i, pcoef + h, 0.0))
+    views = {}  # the chunk buffers' first r rows, and their halves, by r
+    for x, t, k, at, sm, dot, norm, inv, g in zip(*chunks):
+        r = x.size(1)
+        if r not in views:
+            w = work if r == rows else work[:, :r]
+            p = None if in_place else probs if r == rows else probs[:, :r]
+            views[r] = (w, *w.unbind(0), p, *(p.unbind(0) if p is not None else (None,) * 2))
+        lp, la, lb, p, pa, pb = views[r]
+        if in_place:
+            p = g
+            pa, pb = g.unbind(0)
+        # from logits, lp holds x - m (m: the row's max), the log-probabilities but for
+        # their per-row shift log s, which is added to the row's results after the loop
         if from_logits:
-            lp = torch.log_softmax(x, -1, dtype=dtype)
+            m = torch.amax(x, -1, keepdim=True)
+            torch.sub(x, m if m.dtype == dtype else m.to(dtype), out=lp)
         else:
-            lp = x.to(dtype, copy=True)
+            lp.copy_(x)
         torch.gather(lp, -1, t, out=at)
-        torch.sum(lp, -1, out=sm)
-        p = torch.exp(lp, out=g) if in_place else lp.exp()
-        la, lb = lp.unbind(0)
-        d = la.sub_(lb)  # la's storage now holds d = la - lb
+        torch.sum(lp, -1, keepdim=True, out=sm)
+        torch.exp(lp, out=p)
+        if from_logits:  # p = exp(x - m) / s
+            torch.sum(p, -1, keepdim=True, out=norm)
+            p.div_(norm)
+        neg_d = torch.sub(lb, la, out=lb)  # lb's storage now holds -d = lb - la
         # a class both passes rule out (-inf - -inf = nan) adds nothing (p = q = 0 there); a
         # nan input stays visible through p
-        d.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
-        pa, pb = p.unbind(0)
-        # row dot products (sum_v pa d, sum_v pb d) = (KL(pa||pb), -KL(pb||pa)), as (r, 2, 1)
-        torch.bmm(p.transpose(0, 1), d.unsqueeze(-1), out=dot)
+        neg_d.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+        # the row dots (sum pa d, -sum pb d) = (Ka, Kb) but for log s (added after the
+        # loop): the products pa d, -pb d into lp's storage, then one pairwise sum
+        torch.addcmul(zero, pa, neg_d, value=-1, out=la)
+        lb.mul_(pb)
+        torch.sum(lp, -1, keepdim=True, out=dot)
         if g is None:
             continue
-        # the gradient, in lp's storage: first e_a = d - Ka, e_b = -(d + Kb)
+        # the gradient, in lp's storage: g_a = h pa d + pa (P + h - h dot_a) - h pb - eps_i,
+        # g_b = -h pb d + pb (P + h - h dot_b) - h pa - eps_i (log s cancels in d - Ka)
+        torch.add(minus_eps, lp, alpha=h, out=lp)
         if from_logits:
-            dot_a, dot_b = dot.unbind(1)
-            torch.sub(dot_b, d, out=lb)
-            d.sub_(dot_a)
+            lp.addcmul_(p, torch.add(base, dot, alpha=-h))
         else:
-            torch.neg(d, out=lb)
-        lp.mul_(h).add_(pcoef + h).mul_(p)
+            lp.add_(p, alpha=h)
         la.sub_(pb, alpha=h)
         lb.sub_(pa, alpha=h)
-        if eps_i:
-            lp.sub_(eps_i)
         if c1:
             lp.scatter_(-1, t, -c1, reduce="add")
         if scale_fp16:
@@ -451,11 +483,18 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
             torch.where(k, lp, zero, out=g)
         else:
             g.copy_(torch.where(k, lp, zero, out=lp))
-    dots = dots.view(n, 2)
-    stats = torch.stack([at_target.sum(0).view(n), sums.sum(0), dots[:, 0], dots[:, 1], inv_scale])
-    stats[:2].neg_()
-    stats[3].neg_()
-    return grad, stats
+    del work, probs, views
+    if from_logits:
+        # the log-probabilities are lp - log s: shift the target's and the sums' by it, and
+        # the dots' by -+(log sa - log sb) (sum pa (d - log sa + log sb) = dot_a - log sa +
+        # log sb, as sum pa = 1): exact opposites, whose rounding cancels in the KLs' sum
+        log_s = norms.log_()
+        at_target.sub_(log_s)
+        sums.sub_(log_s, alpha=vocab)
+        dots.sub_(log_s - log_s.flip(0))
+    # nll and smooth: -(the sum over both passes)
+    both = per_row[:2].sum(1).neg_()
+    return grad, torch.cat([both.view(2, n), dots.view(2, n), inv_scale.expand(1, n)])
 
 
 def _scale_for_fp16(g, inv_scale, target_max=_FP16_TARGET_MAX):

@@ -392,6 +392,91 @@ def test_fp16_gradient_keeps_small_entries():
     assert rel < 1e-3  # fp16 precision (2^-11) on the typical entry, not a subnormal's
 
 
+def two_passes(n, v, seed, regime, dtype):
+    """Logits ``(2n, V)`` of two passes, ~ N(0, 3^2), in ``dtype``, and the first pass's
+    argmax as the target (a model that predicts its target: a small nll, whose error
+    shows). ``regime``: "independent" passes, "dropout"-like ones (the second = the first
+    + N(0, 1)) or "nearly identical" ones (the second = the first + N(0, 1e-3^2))."""
+    g = gen(seed)
+    first = torch.randn(n, v, generator=g, dtype=torch.float64) * 3
+    noise = torch.randn(n, v, generator=g, dtype=torch.float64)
+    second = {"independent": noise * 3, "dropout": first + noise,
+              "nearly identical": first + 1e-3 * noise}[regime]
+    return torch.cat([first, second]).to(dtype), first.argmax(-1)
+
+
+@pytest.mark.parametrize("regime", ["independent", "nearly identical"])
+def test_float32_at_a_large_vocabulary_matches_float64(regime):
+    """V = 267,744 (fairseq's WikiText-103 vocabulary), float32 logits: total, loss, nll and
+    KL within max(1e-6 |reference|, 1e-7 per row pair) of float64. Every sum over V (the
+    log-sum-exp, the KL row dots, the smoothing sums) is a pairwise ``torch.sum``, whose
+    error does not grow with V. A sequential float32 sum lost the bound by 40-100x on the
+    KL of independent passes (log_softmax's normaliser and the BLAS row dots each off by
+    ~1e-5), and by 2-4x on the nll of nearly identical ones."""
+    n, v = 2, 267_744
+    scores, target = two_passes(n, v, seed=80, regime=regime, dtype=torch.float32)
+    kw = dict(alpha=5.0, epsilon=0.1)
+    out = rdrop_loss(scores, target, **kw)
+    for name, got, want in zip(out._fields, out, reference(scores, target, **kw)):
+        bound = max(1e-6 * abs(float(want)), 1e-7 * n)
+        assert abs(float(got) - float(want)) <= bound, (name, float(got), float(want), bound)
+
+
+def dtype_ulp(x, dtype):
+    """The spacing of ``dtype`` at ``x`` (float64), subnormals included."""
+    info = torch.finfo(dtype)
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(info.smallest_normal)))
+    return torch.exp2(exponent - {torch.float16: 10, torch.bfloat16: 7}[dtype])
+
+
+def gradient_terms(scores, target, alpha, epsilon):
+    """Per entry, in float64, the sum of the magnitudes of the terms the logits' gradient
+    adds up (docs/design.md): ``pa (P + h + h |d| + h |Ka|) + h pb + eps_i + |c1| [v = t]``
+    (and likewise for pass 2). It is the gradient's magnitude but where the terms cancel."""
+    x = scores.double().reshape(2, -1, scores.size(-1))
+    v = x.size(-1)
+    lp = F.log_softmax(x, -1)
+    p, d = lp.exp(), lp[0] - lp[1]
+    kl = torch.stack([(p[0] * d).sum(-1), -(p[1] * d).sum(-1)]).abs().unsqueeze(-1)
+    h, eps_i = alpha / 2, epsilon / (v - 1)
+    c1 = 1.0 - epsilon - eps_i
+    terms = p * (c1 + eps_i * v + h + h * d.abs() + h * kl) + h * p.flip(0) + eps_i
+    return (terms + abs(c1) * F.one_hot(target, v).double()).reshape(scores.shape)
+
+
+@pytest.mark.parametrize("regime", ["dropout", "independent"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_gradient_is_the_rounded_float64_one(dtype, regime):
+    """An fp16/bf16 gradient at fairseq's loss scales S = 1 to 2^12 is the float64 one
+    rounded to the dtype, within one ulp plus 8 float32 roundings: every entry has
+    ``|g - round(S g64)| <= ulp(S g64) + 8 * 2^-24 * S |g64|``. V = 32,000, 3 row pairs,
+    alpha 5, label smoothing 0.1, passes that differ as dropout makes them or independent
+    ones. The row's KL and normaliser enter each of its entries: off by ~1e-5 relative
+    (sequential float32 sums), they put 9 to 1,500 entries per scale outside the bound
+    here, by up to 8,000 ulps.
+
+    Where the formula's terms cancel, no float32 evaluation meets that bound: an entry
+    near the gradient's zero crossing within the row (``p`` near ``eps_i``, or the KL's
+    pull balancing ``p``) keeps the rounding of terms 10^4 times its size (the Triton
+    kernel's too; here 3 fp16 entries of independent passes, by up to 71 ulps). Entries
+    whose terms add up to more than 2^10 times their value (0.05-0.07 % of them here) are
+    held to the same bound with ``|g64|`` replaced by the terms' sum
+    (:func:`gradient_terms`): 8 float32 roundings of what float32 actually adds up."""
+    n, v = 3, 32000
+    scores, target = two_passes(n, v, seed=81, regime=regime, dtype=dtype)
+    kw = dict(alpha=5.0, epsilon=0.1)
+    _, want = reference_with_grad(scores, target, **kw)
+    magnitude = torch.maximum(want.abs(), gradient_terms(scores, target, **kw))
+    magnitude = torch.where(magnitude <= 2 ** 10 * want.abs(), want.abs(), magnitude)
+    for scale in (1.0, 2.0 ** 6, 2.0 ** 12):
+        x = scores.clone().requires_grad_(True)
+        (rdrop_loss(x, target, **kw).total * scale).backward()
+        exact = want * scale
+        err = (x.grad.double() - exact.to(dtype).double()).abs()
+        bad = err > dtype_ulp(exact, dtype) + 8 * 2.0 ** -24 * scale * magnitude
+        assert not bad.any(), (scale, int(bad.sum()), x.grad[bad][:4], exact[bad][:4])
+
+
 def test_half_precision_symmetric_kl_and_mse():
     g = gen(72)
     for dtype in (torch.bfloat16, torch.float16):
@@ -433,7 +518,8 @@ def test_no_host_sync_and_ops_independent_of_padding(mode):
 def test_op_count_grows_with_chunks_only():
     """A 256 MiB chunk at V = 32k and 4096 positions per pass: few chunks, few ops. Counted at
     512 positions with 32 MiB chunks: the same chunks (3 whole, 1 part), so the same ops one
-    by one (checked once at both sizes: 148 each; 4096 positions cost 14 CPU-s, 512 2.4)."""
+    by one (checked at both sizes: 137 each, 20 per chunk; 4096 positions cost 14 CPU-s,
+    512 2.4)."""
     v, n = 32000, 4096
     rows = chunk_rows_for(v, torch.zeros(2, v), 256.0)  # needs the dtype and device only
     assert rows == 256 * 2**20 // (2 * v * 4) == 1048  # 2 float32 rows per pair: 4 chunks
