@@ -513,7 +513,9 @@ def test_fused_linear_is_refused_where_it_cannot_serve():
 def test_fairseq_train_with_fused_linear_matches_the_unfused_run(translation_data, user_dir,
                                                                    tmp_path):
     """fairseq-train end to end on tiny data (--update-freq 2, --report-accuracy): the same
-    logged losses, update by update, with and without --rdrop-fused-linear."""
+    logged losses, update by update, with and without --rdrop-fused-linear, to one unit of
+    the last digit fairseq prints (the two paths sum in another order, so a value that lies
+    on a rounding boundary, 0.16175001 vs 0.16174999, prints 0.1618 and 0.1617)."""
     logs = []
     for fused in (False, True):
         proc = check_ok(run([tool("fairseq-train"), translation_data, "--user-dir", user_dir,
@@ -532,7 +534,11 @@ def test_fairseq_train_with_fused_linear_matches_the_unfused_run(translation_dat
         lines = [dict(re.findall(r"(\w+)=([^,\s]+)", line))
                  for line in proc.stdout.splitlines() if "| train_inner |" in line]
         logs.append([(x["loss"], x["nll_loss"], x["rdrop_kl"], x["accuracy"]) for x in lines])
-    assert len(logs[0]) == 6 and logs[0] == logs[1], logs
+    assert len(logs[0]) == 6 and len(logs[1]) == 6, logs
+    for unfused, fused in zip(*logs):
+        for a, b in zip(unfused, fused):
+            unit = 10.0 ** -max(len(v.partition(".")[2]) for v in (a, b))
+            assert abs(float(a) - float(b)) <= 1.01 * unit, logs
 
 
 def test_precision_script_compares_both_paths_against_float64():
