@@ -356,8 +356,24 @@ def _rss_kib(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _measure(kind, one_process, **kw):
-    return _in_this_process(kind, kw) if one_process else _in_subprocess(kind, **kw)
+def _measure(kind, one_process, peak=True, **kw):
+    return _in_this_process(kind, kw) if one_process else _in_subprocess(kind, peak, **kw)
+
+
+def _summary(results, floors):
+    """One method over alternating rounds: the median time, and its ratio to the floor of
+    the same round as the median and range of the rounds' ratios (a process's speed moves
+    with the machine: a ratio is only fair within a round). Peak, ops and syncs: the first
+    round's (they do not move)."""
+    import statistics
+
+    bad = next((r for r in results + floors if "error" in r), None)
+    if bad is not None:
+        return {"error": bad["error"]}
+    ratios = [r["time_s"] / f["time_s"] for r, f in zip(results, floors)]
+    return {**results[0], "time_s": statistics.median(r["time_s"] for r in results),
+            "time_ratio": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "processes": len(results)}
 
 
 def _in_this_process(kind, kw):
@@ -381,9 +397,9 @@ def _in_this_process(kind, kw):
     return result
 
 
-def _in_subprocess(kind, **kw):
+def _in_subprocess(kind, peak=True, **kw):
     result = _worker(kind, kw)
-    if kw["device"] == "cpu" and "error" not in result:  # the peak, from a run of its own
+    if peak and kw["device"] == "cpu" and "error" not in result:  # the peak, from its own run
         peak = _worker(kind, {**kw, "repeats": 0}, {"MALLOC_MMAP_THRESHOLD_": "131072"})
         result["peak_mib"] = peak.get("peak_mib", float("nan"))
     return result
@@ -415,8 +431,11 @@ def _table(title, rows):
         f = floor.setdefault(case, r)
         if "pairs" in r:
             method = f"{method} ({r['pairs']} pairs/chunk)"
+        ratio = f"{r['time_s'] / f['time_s']:.2f}"
+        if r.get("processes", 1) > 1:  # median of the rounds' ratios (their range)
+            ratio = f"{r['time_ratio']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
         lines.append(
-            f"| {case} | {method} | {r['time_s'] * 1e3:.1f} | {r['time_s'] / f['time_s']:.2f} "
+            f"| {case} | {method} | {r['time_s'] * 1e3:.1f} | {ratio} "
             f"| {r['peak_mib']:.0f} | {r['peak_mib'] / max(f['peak_mib'], 1e-9):.2f} "
             f"| {r['ops']} | {r['syncs']} |")
     return "\n".join(lines)
@@ -463,6 +482,10 @@ def main():
     p.add_argument("--fused-chunk-mb", type=float, nargs="+", default=[], metavar="MB",
                    help="loss: also ours-fused-linear with each of these --rdrop-chunk-mb "
                    "(the table gives the row pairs per chunk)")
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="CPU: N rounds, each method once a round in a fresh process, the "
+                        "floor first; a ratio is the median of the rounds' ratios to their "
+                        "own floor, with its range (the CPU tables: 5)")
     p.add_argument("--one-process", action=argparse.BooleanOptionalAction, default=None,
                    help="measure every method in this process (default on CUDA, where the "
                    "allocator's peak is reset per method; on CPU a fresh process per method "
@@ -475,6 +498,8 @@ def main():
     gpu = a.what == "gpu"
     device = a.device or ("cuda" if gpu else "cpu")
     one_process = device == "cuda" if a.one_process is None else a.one_process
+    if a.processes > 1 and one_process:
+        p.error("--processes N alternates fresh processes: not with --one-process (or CUDA)")
     dtypes = a.dtype or (["bfloat16", "float16"] if gpu else ["float32"])
     tokens = a.tokens or ([8192] if gpu else [4096])
     vocabs = a.vocab or ([32000, 267744] if gpu else [10000, 32000, 50000])
@@ -502,10 +527,15 @@ def main():
             for n in tokens:
                 for v in vocabs:
                     case = f"{dtype} V={v} N={n}" + (f" D={projection}" if projection else "")
+                    per = {m: [] for m in loss_methods}
+                    for i in range(a.processes):  # rounds: the methods alternate
+                        for m in loss_methods:
+                            per[m].append(record("loss", case, m, _measure(
+                                "loss", one_process, peak=i == 0, method=m, vocab=v,
+                                tokens=n, dtype=dtype, projection=projection, **common))[2])
                     for m in loss_methods:
-                        rows.append(record("loss", case, m, _measure(
-                            "loss", one_process, method=m, vocab=v, tokens=n, dtype=dtype,
-                            projection=projection, **common)))
+                        rows.append((case, m, per[m][0] if a.processes == 1 else
+                                     _summary(per[m], per[loss_methods[0]])))
         out.append(_table("Loss alone: logits -> loss -> backward", rows))
     if a.what in ("step", "all", "gpu"):
         rows, profiles = [], []

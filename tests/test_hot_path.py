@@ -173,3 +173,21 @@ def test_benchmark_worker_measures_in_a_subprocess_of_its_own():
     gradient_mib = 2 * tokens * vocab * 4 / 2**20
     # from the second subprocess (repeats 0)
     assert gradient_mib <= result["peak_mib"] <= 4 * gradient_mib, result
+
+
+def test_alternating_processes_give_each_ratio_against_its_own_rounds_floor():
+    """bench_rdrop.py --processes N: a method's ratio is the median of its rounds' ratios to
+    the floor of the same round (not of the medians), with their range; an error in any
+    round is the row's."""
+    import benchmarks.bench_rdrop as bench
+
+    floors = [{"time_s": t, "peak_mib": 100.0, "ops": 30, "syncs": 0} for t in (1, 2, 4)]
+    ours = [{"time_s": t, "peak_mib": 40.0, "ops": 70, "syncs": 0} for t in (0.9, 1.0, 2.0)]
+    row = bench._summary(ours, floors)
+    assert row["time_s"] == 1.0 and row["processes"] == 3
+    assert (row["time_ratio"], row["ratio_min"], row["ratio_max"]) == (0.5, 0.5, 0.9)
+    assert row["peak_mib"] == 40.0 and row["ops"] == 70
+    assert "0.50 (0.50-0.90)" in bench._table("t", [("c", "floor", bench._summary(floors, floors)),
+                                                   ("c", "ours", row)])
+    assert bench._summary(ours[:2] + [{"error": "out of memory"}], floors) == {
+        "error": "out of memory"}
