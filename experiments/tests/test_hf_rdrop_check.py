@@ -104,12 +104,13 @@ def test_settings_are_attendout_checks(tmp_path, tiny_minilm):
         assert hf_rdrop_check.validation_updates(updates) == expected, updates
     assert hf_rdrop_check.validation_updates(400) == list(range(160, 401, 40))
     tiny = hf_rdrop_check.load_model(tiny_minilm, ["ham", "spam"], 1)
-    trainer = hf_rdrop_check.make_trainer(
-        "rdrop", tiny, args, {"train": [], "pad": 0}, hf_rdrop_check.KeepBest([], [], 1, 0),
-        1.0)
-    optimizer = trainer.create_optimizer()
-    decayed = [p for g in optimizer.param_groups if g["weight_decay"] == 0.1 for p in g["params"]]
-    assert len(decayed) == len(list(tiny.parameters()))  # biases and LayerNorms too
+    for mode in hf_rdrop_check.MODES:
+        trainer = hf_rdrop_check.make_trainer(mode, tiny, args, {"train": [], "pad": 0},
+                                              hf_rdrop_check.KeepBest([], [], 1, 0), 1.0)
+        assert isinstance(trainer, RDropTrainer) == (mode == "rdrop")
+        decayed = [p for g in trainer.create_optimizer().param_groups
+                   if g["weight_decay"] == 0.1 for p in g["params"]]
+        assert len(decayed) == len(list(tiny.parameters()))  # biases and LayerNorms too
 
 
 def test_the_head_is_drawn_from_the_seed(tiny_minilm):
@@ -169,10 +170,13 @@ def test_keep_best_keeps_the_weights_of_the_best_validation_the_later_on_a_tie()
 def test_both_modes_end_to_end_then_resumed(tmp_path, tiny_minilm, monkeypatch):
     """baseline (Trainer) and rdrop (RDropTrainer, alpha 1.0) on a handful of examples: the
     same batches for both arms of the seed, validations at attendout_check's updates, test
-    scored with the best validation weights (test = valid here, so the two accuracies
-    agree), the summary; a second call reuses result.json and trains nothing."""
-    splits = {"train": rows(12), "valid": rows(6, 12), "test": rows(6, 12)}
+    scored with the weights of the best validation (validation accuracies given here: the
+    best at update 3 of 5), the summary; a second call reuses result.json and trains
+    nothing."""
+    splits = {"train": rows(12), "valid": rows(6, 12), "test": rows(7, 18)}
     monkeypatch.setattr(attendout_check, "read_task", lambda task, work, source: splits)
+    # main sets torch's threads from OMP_NUM_THREADS: left as they are for the other tests
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     calls = []
 
     def spy(cls):
@@ -188,6 +192,18 @@ def test_both_modes_end_to_end_then_resumed(tmp_path, tiny_minilm, monkeypatch):
 
     spy(Trainer)
     spy(RDropTrainer)
+    validation = iter([60.0, 80.0, 70.0, 50.0] * 2)
+    scored = []  # (split, the weights scored, the scores)
+    real_score = hf_rdrop_check.score
+
+    def score(model, examples, positive, pad, batch_size=32):
+        split = "valid" if len(examples) == len(splits["valid"]) else "test"
+        out = (next(validation), 0.0) if split == "valid" else real_score(
+            model, examples, positive, pad, batch_size)
+        scored.append((split, {k: v.clone() for k, v in model.state_dict().items()}, out))
+        return out
+
+    monkeypatch.setattr(hf_rdrop_check, "score", score)
     argv = ["--task", "spam", "--work", str(tmp_path / "hf"), "--fairseq-work",
             str(tmp_path / "fs"), "--minilm", str(tiny_minilm), "--seeds", "1",
             "--updates", "5", "--batch-size", "4", "--lr", "1e-2"]
@@ -200,13 +216,17 @@ def test_both_modes_end_to_end_then_resumed(tmp_path, tiny_minilm, monkeypatch):
     assert rdrop[0][1] == results["rdrop"]["alpha"] == 1.0 and "alpha" not in results["baseline"]
     assert [c[2:] for c in baseline] == [c[2:] for c in rdrop]  # the same batches
     assert all(len(c[3]) == 4 for c in baseline)  # --batch-size
-    for mode, result in results.items():
+    assert [split for split, _, _ in scored] == ["valid"] * 4 + ["test"] + ["valid"] * 4 + [
+        "test"]
+    for (mode, result), calls in zip(results.items(), (scored[:5], scored[5:])):
         assert (result["mode"], result["seed"], result["updates"]) == (mode, 1, 5)
-        assert [u for u, _ in result["validations"]] == [2, 3, 4, 5]
-        best = max(a for _, a in result["validations"])
-        assert result["best_update"] == max(u for u, a in result["validations"] if a == best)
-        assert result["valid_accuracy"] == best == result["accuracy"]
-        assert 0 <= result["f1"] <= 100 and result["seconds_per_update"] > 0
+        assert result["validations"] == [[2, 60.0], [3, 80.0], [4, 70.0], [5, 50.0]]
+        assert (result["best_update"], result["valid_accuracy"]) == (3, 80.0)
+        tested = calls[4][1]
+        assert all(torch.equal(tested[k], calls[1][1][k]) for k in tested)  # update 3's
+        assert not all(torch.equal(tested[k], calls[3][1][k]) for k in tested)  # not the last
+        assert (result["accuracy"], result["f1"]) == calls[4][2]
+        assert result["seconds_per_update"] > 0
         assert not (runs / f"{mode}_seed1" / "trainer").exists()
     summary = json.loads((tmp_path / "hf" / "spam" / "summary.json").read_text())
     assert summary["summary"]["hf"]["difference"]["accuracy"] == [
