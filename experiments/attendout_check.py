@@ -18,7 +18,8 @@ Tasks (--task):
 Arms (--modes; the default: baseline, static1-4, attendout_k2, attendout_k3,
 attendout_step):
 * ``baseline``: plain fine-tuning (task sentence_prediction);
-* ``rdrop``: sentence_prediction_rdrop, alpha --alpha;
+* ``rdrop``: sentence_prediction_rdrop, alpha --alpha (default 1.0, the paper's GLUE
+  alpha for SST-2: both tasks are single-sentence binary classification);
 * ``staticK`` (K = 1..5): plain fine-tuning with the last K layers as a mean of V from the
   start (--attendout-static-prune-layers): the frontier AttendOut must beat;
 * ``attendout_kK``: the AttendOut task (whole-layer gates) with a budget of K layers
@@ -336,6 +337,7 @@ def one_run(mode, seed, data_bin, encoder, work, args):
     train_s = time.time() - start
     best = save_dir / "checkpoint_best.pt"
     result = {"mode": mode, "seed": seed, "updates": args.updates, "device": args.device,
+              **({"alpha": args.alpha} if mode == "rdrop" else {}),
               # a resumed run timed only its last part
               "seconds_per_update": None if resumed else round(train_s / args.updates, 4),
               "pruning": pruning_events((run_dir / "train.log").read_text())}
@@ -498,7 +500,8 @@ def plot_panel(ax, results, task, updates):
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
 
 
-def main(argv=None):
+def make_parser():
+    """The command line (experiments.hf_rdrop_check reads its defaults: the same settings)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -514,7 +517,9 @@ def main(argv=None):
                         help="updates per run (400 at T = 10: 40 pruning steps)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-5)
-    parser.add_argument("--alpha", type=float, default=1.0, help="R-Drop alpha")
+    parser.add_argument("--alpha", type=float, default=1.0,
+                        help="R-Drop alpha (arm rdrop): the paper's GLUE alpha for SST-2, "
+                        "single-sentence binary classification as both tasks are")
     parser.add_argument("--interval", type=int, default=10, help="--attendout-interval T")
     parser.add_argument("--generator-lr", type=float, default=5e-5,
                         help="--attendout-generator-lr (the paper's 5e-5)")
@@ -528,6 +533,11 @@ def main(argv=None):
     parser.add_argument("--plot", default=None,
                         help="default docs/img/attendout_evidence.png (a panel per task with "
                         "a summary in WORK); '' for none")
+    return parser
+
+
+def main(argv=None):
+    parser = make_parser()
     args = parser.parse_args(argv)
     if args.updates < 1 or args.interval < 1:
         parser.error("--updates and --interval must be >= 1")

@@ -146,6 +146,8 @@ def test_training_commands_of_the_arms(tmp_path):
     assert value(cmds["baseline"], "--arch") == "roberta"
     assert value(cmds["rdrop"], "--criterion") == "sentence_prediction_rdrop"
     assert value(cmds["rdrop"], "--rdrop-alpha") == "1.0"
+    # by default: the paper's GLUE alpha for SST-2 (single-sentence binary classification)
+    assert attendout_check.make_parser().parse_args([]).alpha == 1.0
     attendout = [m for m in attendout_check.MODES if m.startswith("attendout")]
     for mode in attendout:
         assert value(cmds[mode], "--task") == "sentence_prediction_attendout"
