@@ -19,14 +19,17 @@ How a file is fetched:
   sends the whole file again, and the download starts afresh); Ctrl-C keeps the partial file;
 * 5xx answers, time-outs and cut connections are retried with back-off (then the next URL);
   403, 404 and other refusals move to the next URL at once, and so does a host that cannot
-  be reached at all (refused, unknown, a proxy that refuses: no retries, so that an offline
-  machine gives up within seconds);
+  be reached at all (refused, unknown, no route, a proxy that refuses, no connection within
+  the 5 s all the URLs of a file share: no retries, so that an offline machine gives up
+  within about 5 s);
 * an HTML page where a file was expected is refused (a login or quota page served with 200);
 * the checksum is verified before the file takes its name: nothing appears under FILE
   unless verified. A download with the wrong checksum is kept as ``FILE.bad``, never
   resumed from. Without a known checksum, the SHA-256 of the first download is recorded in
-  ``FILE.sha256`` (and printed), and checked on later runs;
-* a FILE already there with the right checksum is not fetched again.
+  ``FILE.sha256`` (and printed) once the file has proved whole (an archive read to its end,
+  DEST made from it), and checked on later runs;
+* a FILE already there with the right checksum is not fetched again; two runs fetching into
+  one folder take turns.
 
 Environment: ``OFFLINE=1`` fetches nothing: it names each missing file, where it comes
 from and the command that fetches it by hand. ``DRY_RUN=1`` prints each URL and
@@ -63,7 +66,6 @@ DIGESTS = {"sha256": 64, "md5": 32}
 # seconds for all the tries to connect in one fetch() (every URL): an offline machine, or a
 # firewall that drops packets, gives up within this
 CONNECT_BUDGET = 5.0
-ARCHIVES = (".tar.gz", ".tgz", ".tar", ".zip")
 
 
 class FetchError(Exception):
