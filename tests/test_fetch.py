@@ -235,12 +235,19 @@ def test_without_a_public_checksum_the_first_one_is_recorded_and_checked(server,
     assert not (tmp_path / "a.bin").exists()
 
 
+def terminal_sigint():
+    """In the child before exec: SIGINT as in a terminal's foreground job. A suite started
+    as a shell's background job (``cmd &``, as some CI runners start it) passes SIGINT on
+    ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_keeps_the_partial_file_for_the_next_run(server, tmp_path):
     server.routes["/a.bin"] = Route(data=DATA, stall=200_000, stall_s=30)
     proc = subprocess.Popen([sys.executable, "-m", "rdrop_fairseq.recipes.fetch", "--sha256",
                              SHA, "--out", str(tmp_path / "a.bin"), server.url("/a.bin")],
                             env={**os.environ, **NO_PROXY, "PYTHONPATH": str(REPO)},
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=terminal_sigint)
     partial = tmp_path / "a.bin.partial"
     deadline = time.monotonic() + 30
     while not (partial.exists() and partial.stat().st_size == 200_000):
