@@ -72,7 +72,8 @@ def run(*, reward, dim, layers, seed, steps, decision="layer", costs=None, budge
         gate_lr=SEARCH_DEFAULTS["attendout_gate_lr"], generator_lr=5e-5, batches=10,
         batch=16, baseline_decay=0.95):
     """One control run: ``{"pruned": {layer: pruning step}, "steps": steps run, ...}``.
-    Stops once a budget is filled (the task stops searching then)."""
+    Stops once a budget is filled (the task stops searching then), or once every layer is
+    pruned (nothing is left to decide: a pruned layer stays pruned)."""
     torch.manual_seed(seed)
     g = AttendOutGenerator(dim, layers, init_drop=0.1, decision=decision, prune_threshold=0.5)
     g.build_optimizer(generator_lr, gate_lr)
@@ -106,7 +107,7 @@ def run(*, reward, dim, layers, seed, steps, decision="layer", costs=None, budge
         if step in (1, 10, 25, 50, 100, 200, 300) or now:
             history.append({"step": step, "statistic": [round(x, 3) for x in statistic.tolist()],
                             "price": round(g.price, 3)})
-        if budget and len(pruned_at) >= budget:
+        if budget and len(pruned_at) >= budget or len(pruned_at) == layers:
             break
     return {"pruned": pruned_at, "steps": step, "price": round(g.price, 3),
             "statistic": [round(x, 3) for x in statistic.tolist()], "history": history}
