@@ -21,7 +21,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# --no-compile: pip would byte-compile all of the ~15,000 modules it installs (about 50 s of
+# one core here); Python compiles and caches those a process imports, at its first import
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile -q)
 # one interpreter start both checks and reports (importing fairseq takes seconds, and
 # every script runs this); from / so that the repository's own rdrop_fairseq/ does not
 # count as installed
