@@ -16,6 +16,7 @@ from tests import warm_process
 from tests.warm_process import fairseq_bin
 
 REAL_BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 def stand_in(name):
@@ -182,3 +183,54 @@ def test_a_killed_stand_in_leaves_no_command_running(tmp_path):
     while running_in(tmp_path):  # the command, still waiting for its input
         assert time.monotonic() < deadline, "the command still runs 30 s after its stand-in died"
         time.sleep(0.2)
+
+
+def what_a_module_sees():
+    """Run as ``python -m tests.test_warm_process`` by the test below: what a module run
+    that way sees of its process."""
+    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
+                      "main": __name__, "env": os.environ.get("PROBE"),
+                      "executable": sys.executable}))
+    sys.exit(3)
+
+
+def test_python_m_of_this_repositorys_modules_runs_warm_as_a_real_one(tmp_path, monkeypatch):
+    """``python -m MODULE``: argv (the module's file first), working directory, sys.path's
+    first entry (the working directory), ``__main__``, environment and exit code as in a
+    real process; sys.executable is the python stand-in, so that what the module starts
+    beside it starts warm. Through the stand-in, any other command line (here ``-c``) is the
+    real interpreter, and one of our modules gives what the real one gives."""
+    from tests import warm_client
+
+    # this module as a probe: "tests" counts as one of the repository's packages here
+    monkeypatch.setattr(warm_client, "WARM_PACKAGES", (*warm_client.WARM_PACKAGES, "tests"))
+    cmd = [sys.executable, "-m", "tests.test_warm_process", "a b", "--c"]
+    assert warm_process.warm_module(cmd) == warm_process.RUN_MODULE
+    env = caller_env(PROBE="1", PYTHONPATH=str(REPO))
+    warm = warm_process.run_warm(cmd, tmp_path, env, 60)
+    real = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert warm.returncode == real.returncode == 3, warm.stderr + real.stderr
+    seen, real_seen = json.loads(warm.stdout), json.loads(real.stdout)
+    assert seen["executable"] == os.path.join(fairseq_bin(), "python3")
+    assert real_seen.pop("executable") == sys.executable
+    assert {k: v for k, v in seen.items() if k != "executable"} == real_seen
+    assert real_seen["argv"] == [str(REPO / "tests" / "test_warm_process.py"), "a b", "--c"]
+    assert real_seen["path0"] == str(tmp_path) and real_seen["main"] == "__main__"
+
+    path = {"PATH": f"{fairseq_bin()}:{REAL_BIN}:/usr/bin:/bin"}
+    other = subprocess.run(["bash", "-c", "python3 -c 'import sys; print(sys.executable)'"],
+                           env=caller_env(**path), capture_output=True, text=True, timeout=60)
+    assert other.stdout.strip() == sys.executable, other.stderr
+    ours = [subprocess.run(["bash", "-c", f"{python} -m rdrop_fairseq.recipes.fetch --list; "
+                            f"{python} -m rdrop_fairseq.recipes.fetch --no-such-option"],
+                           cwd=REPO, env=caller_env(**path), capture_output=True, text=True,
+                           timeout=60)
+            for python in ("python3", sys.executable)]
+    assert ours[0].returncode == ours[1].returncode == 2, ours[0].stderr
+    assert (ours[0].stdout, ours[0].stderr) == (ours[1].stdout, ours[1].stderr)
+    assert "wikitext" in ours[0].stdout.lower()
+
+
+if __name__ == "__main__":
+    what_a_module_sees()

@@ -6,8 +6,14 @@ Ctrl-C, a recipe stopping its jobs) goes on to the command; one it was started w
 ignored (SIGINT in a non-interactive shell's background job) the command ignores too, as
 a real one would.
 
-Written into each stand-in after a header that sets SOCKET; standard library only, run
-with ``python -S`` so that it starts in milliseconds."""
+The stand-ins ``python`` and ``python3`` send only ``python -m MODULE ...`` of this
+repository's packages (``runs_warm_as_python``); any other command line (``-c``, a script,
+standard input, another module, an option before ``-m``) they hand to the real interpreter
+(``REAL_PYTHON``, exec: same process, same descriptors).
+
+Written into each stand-in after a header that sets SOCKET and REAL_PYTHON (None for
+fairseq's tools); standard library only, run with ``python -S`` so that it starts in
+milliseconds."""
 
 import json
 import os
@@ -36,9 +42,20 @@ def ignored_signals():
 
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+# the packages whose modules ``python -m`` runs warm: this repository's own
+WARM_PACKAGES = ("rdrop_fairseq", "experiments")
+
+
+def runs_warm_as_python(argv):
+    """Whether the interpreter command line ``argv`` (``python -m MODULE ARGS``, nothing
+    before -m) runs a module of WARM_PACKAGES, which the worker can fork warm."""
+    return (len(argv) >= 3 and argv[1] == "-m"
+            and argv[2].split(".")[0] in WARM_PACKAGES)
 
 
 def main(path):
+    if REAL_PYTHON and not runs_warm_as_python(sys.argv):  # noqa: F821 - set by the header
+        os.execv(REAL_PYTHON, [REAL_PYTHON, *sys.argv[1:]])  # noqa: F821
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     ignored = ignored_signals()

@@ -1,5 +1,5 @@
-"""Run fairseq's command-line tools in a fresh process that starts with the libraries they
-use already imported.
+"""Run fairseq's command-line tools, and this repository's modules run as ``python -m``, in a
+fresh process that starts with the libraries they use already imported.
 
 Every fairseq command a test runs would otherwise import torch, scipy, scikit-learn, hydra
 and fairseq again: 2.65 s of the interpreter's start here, on an idle machine (``python -X
@@ -40,9 +40,10 @@ that fairseq's import leaves in them (hydra's config store) is the server's impo
 the command's; the locale (LANG, LC_*: the standard streams' and ``open``'s default
 encoding) and TZ are the server's; ``multiprocessing.current_process()`` is a forked
 process, not "MainProcess"; the command is a child of the server, not of its caller (see
-``fairseq_bin``).
-``run(..., warm=False)`` in the test helpers, and commands other than fairseq's console
-scripts (``python -m``, scripts), are real subprocesses.
+``fairseq_bin``); a module run as ``python -m`` (``RUN_MODULE``: this repository's,
+``rdrop_fairseq.*`` and ``experiments.*``) has the python stand-in as ``sys.executable``.
+``run(..., warm=False)`` in the test helpers, and other commands (``python -c``, scripts,
+other modules), are real subprocesses.
 """
 
 import atexit
@@ -56,6 +57,7 @@ import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
 import random
+import runpy
 import shutil
 import signal
 import socket
@@ -68,7 +70,7 @@ import traceback
 from importlib.metadata import distribution, packages_distributions
 from pathlib import Path
 
-from tests.warm_client import FORWARDED, ignored_signals, receive
+from tests.warm_client import FORWARDED, ignored_signals, receive, runs_warm_as_python
 
 
 def _fairseq_distribution():
@@ -91,6 +93,8 @@ def fairseq_top_level():
 
 
 FAIRSEQ_TOOLS = fairseq_tools()
+RUN_MODULE = "-m"  # the "entry" of ``python -m MODULE ...`` (tests/warm_client.py)
+PYTHON_STAND_INS = ("python", "python3")
 _context = None
 _server_env = None
 _bin = None
@@ -130,9 +134,12 @@ def _warm_context():
 
 def warm_module(cmd):
     """The ``"module:function"`` of ``cmd`` if it is a fairseq console script of this
-    environment (it can run warm), else None."""
+    environment, RUN_MODULE if it is this interpreter running a module of this repository
+    (``python -m rdrop_fairseq...`` or ``experiments...``): it can run warm; else None."""
     path = Path(str(cmd[0]))
     if path.parent == Path(sys.executable).parent:
+        if str(path) == sys.executable and runs_warm_as_python([str(c) for c in cmd]):
+            return RUN_MODULE
         return FAIRSEQ_TOOLS.get(path.name)
     return None
 
@@ -161,10 +168,10 @@ def not_warm_because(env, server_env):
     return None
 
 
-def fresh_sys_path(script, cwd, env, interpreter_path):
+def fresh_sys_path(script, cwd, env, interpreter_path, module=False):
     """``sys.path`` of a new interpreter running ``script`` from ``cwd`` with ``env``:
-    the script's directory, PYTHONPATH's entries, then ``interpreter_path`` (the rest of a
-    new interpreter's path), without repeats."""
+    the script's directory (``cwd`` for ``python -m``: ``module``), PYTHONPATH's entries,
+    then ``interpreter_path`` (the rest of a new interpreter's path), without repeats."""
     entries = []
     if env.get("PYTHONPATH"):
         entries = [os.path.abspath(os.path.join(cwd, e))
@@ -173,7 +180,8 @@ def fresh_sys_path(script, cwd, env, interpreter_path):
     for entry in [*entries, *interpreter_path]:
         if entry not in path:
             path.append(entry)
-    return [os.path.dirname(os.path.realpath(script)), *path], entries
+    first = os.path.abspath(cwd) if module else os.path.dirname(os.path.realpath(script))
+    return [first, *path], entries
 
 
 def shadowed_module(entries):
@@ -230,12 +238,14 @@ def _limit_threads(threads):
     return True
 
 
-def _child(entry, argv, cwd, env, streams, ignored):
+def _child(entry, argv, cwd, env, streams, ignored, python=None):
     """In the forked process: become the command ``argv`` (``entry``: its
-    ``"module:function"``), then exit as it does. ``streams``: its standard input,
-    output and error, each a path or a descriptor passed along
-    (``multiprocessing.reduction.DupFd``); ``ignored``: the signals its caller ignores,
-    which it ignores too (the others as a new interpreter has them)."""
+    ``"module:function"``, or RUN_MODULE for ``python -m MODULE ...``), then exit as it
+    does. ``streams``: its standard input, output and error, each a path or a descriptor
+    passed along (``multiprocessing.reduction.DupFd``); ``ignored``: the signals its caller
+    ignores, which it ignores too (the others as a new interpreter has them). ``python``
+    (RUN_MODULE): the python stand-in, the module's ``sys.executable``, so that the
+    interpreters and fairseq tools it starts beside it start warm too."""
     code = 0
     for sig in FORWARDED:
         default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
@@ -253,11 +263,14 @@ def _child(entry, argv, cwd, env, streams, ignored):
 
         if warm_server.FAILED:
             raise RuntimeError("the warm server's preload failed:\n" + warm_server.FAILED)
-        script = str(Path(sys.executable).parent / Path(argv[0]).name)  # the real one
+        module = entry == RUN_MODULE
+        # the real one: the tool beside this interpreter, or the interpreter
+        script = sys.executable if module else str(Path(sys.executable).parent
+                                                   / Path(argv[0]).name)
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        path, entries = fresh_sys_path(script, cwd, env, warm_server.FRESH_PATH)
+        path, entries = fresh_sys_path(script, cwd, env, warm_server.FRESH_PATH, module)
         threads = env.get("OMP_NUM_THREADS") or env.get("MKL_NUM_THREADS")
         if (not_warm_because(env, warm_server.START_ENV) or shadowed_module(path[:1] + entries)
                 or (threads and not _limit_threads(int(threads)))):
@@ -274,9 +287,14 @@ def _child(entry, argv, cwd, env, streams, ignored):
         random.seed()  # seeded when the server imported them: the same in every command
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        sys.argv = argv
-        module, function = entry.split(":")
-        getattr(importlib.import_module(module), function)()
+        if module:  # as ``python -m``: argv[0] the module's file (runpy sets it)
+            sys.argv = [argv[0], *argv[3:]]
+            sys.executable = python
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            module, function = entry.split(":")
+            getattr(importlib.import_module(module), function)()
     except SystemExit as exit_:
         if exit_.code is None:
             code = 0
@@ -304,10 +322,11 @@ def _child(entry, argv, cwd, env, streams, ignored):
 
 def run_warm(cmd, cwd, env, timeout):
     """``subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
-    timeout=timeout)``, forked from the warm server; ``cmd`` is a fairseq tool
-    (``warm_module``)."""
+    timeout=timeout)``, forked from the warm server; ``cmd`` is a fairseq tool or a module
+    of this repository run by this interpreter (``warm_module``)."""
     entry = warm_module(cmd)
     argv = [str(c) for c in cmd]
+    python = os.path.join(fairseq_bin(), "python3") if entry == RUN_MODULE else None
     with tempfile.TemporaryDirectory(prefix="warm-") as tmp:
         out_path, err_path = Path(tmp, "stdout"), Path(tmp, "stderr")
         out_path.touch()
@@ -315,7 +334,7 @@ def run_warm(cmd, cwd, env, timeout):
         process = _warm_context().Process(
             target=_child, args=(entry, argv, str(cwd), dict(env),
                                  (os.devnull, str(out_path), str(err_path)),
-                                 ignored_signals()))
+                                 ignored_signals(), python))
         process.start()
         process.join(timeout)
         if process.is_alive():
@@ -342,7 +361,11 @@ def fairseq_bin():
     modules, the experiments): in it, each of fairseq's console scripts is a stand-in
     (tests/warm_client.py) that sends its command to this worker, which forks it warm and
     sends back its exit code. One directory and one listening thread per test worker, made
-    at the first call.
+    at the first call. Beside them, ``python`` and ``python3``: ``python -m`` of a module of
+    this repository runs warm the same way (as PYTHON, or first on PATH, for the recipe
+    scripts), with the stand-in as its ``sys.executable`` (so that what it starts with
+    ``sys.executable`` or beside it starts warm too); any other command line runs the real
+    interpreter.
 
     What differs from a real process besides what this module's docstring says: the command is a child
     of the warm server, not of the stand-in (its CPU time is not the stand-in's, and a
@@ -359,9 +382,10 @@ def fairseq_bin():
         threading.Thread(target=_serve, args=(listener,), daemon=True).start()
         client = Path(__file__).with_name("warm_client.py").read_text()
         header = f"#!{sys.executable} -S\nSOCKET = {str(directory / 'socket')!r}\n"
-        for name in FAIRSEQ_TOOLS:
+        for name in [*FAIRSEQ_TOOLS, *PYTHON_STAND_INS]:
+            real = sys.executable if name in PYTHON_STAND_INS else None
             stand_in = directory / name
-            stand_in.write_text(header + client)
+            stand_in.write_text(header + f"REAL_PYTHON = {real!r}\n" + client)
             stand_in.chmod(0o755)
         _bin = str(directory)
     return _bin
@@ -400,10 +424,13 @@ def _run_for_stand_in(conn):
             return
         try:
             argv = request["argv"]
+            name = Path(argv[0]).name
+            python = argv[0] if name in PYTHON_STAND_INS else None
             process = _warm_context().Process(
-                target=_child, args=(FAIRSEQ_TOOLS[Path(argv[0]).name], argv, request["cwd"],
-                                     request["env"], [_PassedFd(fd) for fd in fds],
-                                     request["ignored"]))
+                target=_child, args=(RUN_MODULE if python else FAIRSEQ_TOOLS[name], argv,
+                                     request["cwd"], request["env"],
+                                     [_PassedFd(fd) for fd in fds], request["ignored"],
+                                     python))
             process.start()
         finally:
             for fd in fds:  # the child has its copies
