@@ -18,15 +18,18 @@ def run(cmd, ok=True, env=None):
     environment's tools on PATH; ``proc.output`` is stdout + stderr. With ``ok``, a failure fails the test.
     fairseq's tools start warm (tests/warm_process.py): run here, and as the scripts and
     modules run them (FAIRSEQ_BIN; not in a dry run, whose printed commands name the real
-    tools, and not where ``env`` sets FAIRSEQ_BIN)."""
+    tools, and not where ``env`` sets FAIRSEQ_BIN); so do this repository's modules run as
+    ``python -m`` (here, and through the python stand-in first on PATH)."""
     # the test environment's tools first, then the system's (the recipe scripts use coreutils)
     path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
     # no GPU unless env says so: the scripts would find one (nvidia-smi) and train in fp16,
     # the evaluation modules would move their models to it
     full_env = {"PATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
                 "MKL_NUM_THREADS": "1", "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
-    if full_env.get("DRY_RUN") != "1":
-        full_env.setdefault("FAIRSEQ_BIN", fairseq_bin())
+    if full_env.get("DRY_RUN") != "1" and "FAIRSEQ_BIN" not in full_env:
+        full_env["FAIRSEQ_BIN"] = fairseq_bin()
+        if not (env or {}).get("PATH"):  # the scripts' python3 -m of our modules, warm too
+            full_env["PATH"] = os.pathsep.join([fairseq_bin(), path])
     proc = run_command(cmd, REPO, full_env, 300)  # the root: python -m experiments.*
     proc.output = proc.stdout + proc.stderr
     if ok:

@@ -51,8 +51,10 @@ def serve(server, tmp_path, entries):
 
 
 def script(cwd, name, *args, ok=True, **env):
-    """scripts/NAME.sh run in ``cwd`` (its default work/ folder there), fairseq warm."""
-    path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
+    """scripts/NAME.sh run in ``cwd`` (its default work/ folder there), fairseq's tools and
+    the recipes' ``python3 -m`` warm (tests/warm_process.py; not in a dry run)."""
+    warm = [] if env.get("DRY_RUN") else [fairseq_bin()]
+    path = os.pathsep.join([*warm, str(Path(sys.executable).parent), "/usr/bin", "/bin"])
     full_env = {"PATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "CUDA_VISIBLE_DEVICES": "", "HOME": "/tmp", "PYTHONUNBUFFERED": "1",
                 "GPUS": "0", "FAIRSEQ_BIN": fairseq_bin(), **NO_PROXY,

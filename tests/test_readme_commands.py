@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.warm_process import fairseq_bin
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 TINY = ["common.cpu=true", "optimization.max_update=4", "dataset.max_tokens=1000",
@@ -22,7 +24,10 @@ WORDS = ["haus", "baum", "katze", "hund", "auto", "buch", "tisch", "stuhl", "gar
 
 
 def bash(command, cwd):
-    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
+    # fairseq's tools, called by name, start warm (tests/warm_process.py); python itself is
+    # the environment's
+    env = {"PATH": os.pathsep.join([fairseq_bin(), str(Path(sys.executable).parent),
+                                    "/usr/bin", "/bin"]),
            "HOME": str(cwd), "OMP_NUM_THREADS": "1",
            "USER_DIR": str(REPO / "rdrop_fairseq")}  # what `python -m rdrop_fairseq` prints
     proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True,
