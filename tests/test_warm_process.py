@@ -108,6 +108,8 @@ def test_which_environments_a_forked_command_can_take():
     same = {**server, "HOME": "/b", "PYTHONPATH": "/x", "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0"}  # applied by the child
     assert warm_process.not_warm_because(same, server) is None
+    # the recipe scripts' PYTHON (which the experiments set) is no interpreter variable
+    assert warm_process.not_warm_because({**same, "PYTHON": "/venv/bin/python3"}, server) is None
     assert "PYTHONHASHSEED" in warm_process.not_warm_because({**same, "PYTHONHASHSEED": "2"},
                                                              server)
     assert "LD_PRELOAD" in warm_process.not_warm_because({**same, "LD_PRELOAD": "x.so"},

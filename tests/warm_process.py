@@ -107,6 +107,9 @@ _READ_AT_START = ("PYTHON", "OMP_", "MKL_", "GOMP_", "OPENBLAS_", "TORCH_", "PYT
                   "MALLOC_", "LD_PRELOAD", "LD_LIBRARY_PATH")
 _APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS",
             "MKL_NUM_THREADS"}
+# no interpreter reads a variable named PYTHON alone (the recipe scripts' interpreter, set by
+# the experiments and the tests): it is not one of the PYTHON* above
+_NOT_READ_AT_START = {"PYTHON"}
 
 
 def _warm_context():
@@ -156,7 +159,7 @@ def not_warm_because(env, server_env):
     """Why a command with environment ``env`` cannot run forked from a server started with
     the environment ``server_env`` (a sentence), or None."""
     for name in sorted(set(env) | set(server_env)):
-        if (name.startswith(_READ_AT_START) and name not in _APPLIED
+        if (name.startswith(_READ_AT_START) and name not in _APPLIED | _NOT_READ_AT_START
                 and env.get(name) != server_env.get(name)):
             return f"{name} differs from the warm server's"
     omp, mkl = env.get("OMP_NUM_THREADS"), env.get("MKL_NUM_THREADS")
