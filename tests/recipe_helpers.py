@@ -2,6 +2,7 @@
 
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -11,6 +12,15 @@ REPO = Path(__file__).resolve().parents[1]
 DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a download fails at once
 OFFLINE = {"http_proxy": DEAD_PROXY, "https_proxy": DEAD_PROXY, "HTTPS_PROXY": DEAD_PROXY,
            "HTTP_PROXY": DEAD_PROXY, "no_proxy": ""}  # env for run(): no network
+
+
+def terminal_sigint():
+    """``preexec_fn`` for a child that a test sends SIGINT: SIGINT as in a terminal's
+    foreground job. A suite started as a shell's background job (``cmd &``, as some CI
+    runners start it) begins with SIGINT ignored, an ignored signal stays ignored across
+    exec, and Python then installs no KeyboardInterrupt handler: the child would never see
+    the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run(cmd, ok=True, env=None):

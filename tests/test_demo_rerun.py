@@ -25,6 +25,7 @@ import torch
 
 from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
 from rdrop_fairseq.recipes.libreoffice_demo import Cores
+from tests.recipe_helpers import terminal_sigint
 from tests.warm_process import fairseq_bin
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,14 +63,6 @@ def processes_mentioning(text):
         except OSError:  # the process ended meanwhile
             pass
     return found
-
-
-def terminal_sigint():
-    """In the child before exec: SIGINT as in a terminal's foreground job. A shell's
-    background job (``cmd &``, as some CI runners start the suite) begins with SIGINT
-    ignored, an ignored signal stays ignored across exec, and Python then installs no
-    KeyboardInterrupt handler: the demo would never see the test's Ctrl-C."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_demo_stops_reruns_continues_and_starts_over(tmp_path):

@@ -24,6 +24,7 @@ import pytest
 
 from rdrop_fairseq.recipes import fetch as fetch_mod
 from rdrop_fairseq.recipes.fetch import FetchError, fetch
+from tests.recipe_helpers import terminal_sigint
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = bytes(range(256)) * 4096  # 1 MiB: the progress lines count tenths of it
@@ -233,13 +234,6 @@ def test_without_a_public_checksum_the_first_one_is_recorded_and_checked(server,
     proc = cli("--out", tmp_path / "a.bin", server.url("/a.bin"))
     assert proc.returncode != 0 and f"not {SHA}" in proc.stderr
     assert not (tmp_path / "a.bin").exists()
-
-
-def terminal_sigint():
-    """In the child before exec: SIGINT as in a terminal's foreground job. A suite started
-    as a shell's background job (``cmd &``, as some CI runners start it) passes SIGINT on
-    ignored, and Python then installs no KeyboardInterrupt handler."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_keeps_the_partial_file_for_the_next_run(server, tmp_path):

@@ -24,8 +24,8 @@ WORDS = ["haus", "baum", "katze", "hund", "auto", "buch", "tisch", "stuhl", "gar
 
 
 def bash(command, cwd):
-    # fairseq's tools, called by name, start warm (tests/warm_process.py); python itself is
-    # the environment's
+    # fairseq's tools, called by name, start warm (tests/warm_process.py); the README's
+    # `python -c` runs the real interpreter (the python stand-in execs it)
     env = {"PATH": os.pathsep.join([fairseq_bin(), str(Path(sys.executable).parent),
                                     "/usr/bin", "/bin"]),
            "HOME": str(cwd), "OMP_NUM_THREADS": "1",
