@@ -4,7 +4,10 @@ for its caller: output, exit code, working directory and environment, standard i
 the signals a caller sends; and it does not outlive a stand-in that was killed. The warm
 server itself sees no GPU (a process forked from a CUDA-initialised one cannot use CUDA)."""
 
+import importlib.util
+import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -110,6 +113,8 @@ def test_which_environments_a_forked_command_can_take():
     assert warm_process.not_warm_because(same, server) is None
     # the recipe scripts' PYTHON (which the experiments set) is no interpreter variable
     assert warm_process.not_warm_because({**same, "PYTHON": "/venv/bin/python3"}, server) is None
+    # fairseq's cache, read by fairseq's import, which the command repeats (warm_server.py)
+    assert warm_process.not_warm_because({**same, "PYTORCH_FAIRSEQ_CACHE": "/c"}, server) is None
     assert "PYTHONHASHSEED" in warm_process.not_warm_because({**same, "PYTHONHASHSEED": "2"},
                                                              server)
     assert "LD_PRELOAD" in warm_process.not_warm_because({**same, "LD_PRELOAD": "x.so"},
@@ -121,6 +126,43 @@ def test_which_environments_a_forked_command_can_take():
                                                 {"PYTHONPATH": "rel::/abs"}, ["/lib", "/abs"])
     assert path == ["/venv/bin", "/work/rel", "/work", "/abs", "/lib"]
     assert entries == ["/work/rel", "/work", "/abs"]
+
+
+def test_an_imports_logging_set_up_and_records_are_repeated_in_their_order(monkeypatch):
+    """What the warm server records while it imports fairseq, and a command's ``import
+    fairseq`` repeats (tests/warm_server.py): a record logged before the import's first
+    basicConfig is dropped where the root logger was not set up (a new process's), and
+    shown where it was (a tool that set logging up before importing fairseq)."""
+    def an_import():
+        logging.getLogger("probe").info("before")
+        logging.basicConfig(level=logging.INFO, format="%(name)s|%(message)s")
+        logging.basicConfig(level=logging.DEBUG, format="ignored: the root has a handler")
+        logging.getLogger("probe").debug("not at INFO")
+        logging.getLogger("probe").info("after")
+
+    root = logging.getLogger()
+    saved = root.level, root.handlers[:]
+    try:
+        root.handlers[:] = []
+        with warm_process.ImportEffects() as recorder:
+            an_import()
+        assert [kind for kind, *_ in recorder.effects] == [
+            "record", "basicConfig", "basicConfig", "record", "record"]
+        assert root.handlers == []  # the recorder is gone
+        shown = []
+        for set_up in (False, True):
+            stream = io.StringIO()
+            monkeypatch.setattr(sys, "stderr", stream)
+            root.handlers[:] = []
+            root.setLevel(logging.WARNING)
+            if set_up:
+                logging.basicConfig(level=logging.INFO, format="tool: %(message)s")
+            warm_process.repeat_import_effects(recorder.effects)
+            shown.append(stream.getvalue())
+        assert shown == ["probe|after\n", "tool: before\ntool: after\n"]
+    finally:
+        root.setLevel(saved[0])
+        root.handlers[:] = saved[1]
 
 
 def blocked_preprocess(tmp_path, sigint=signal.SIG_DFL):
@@ -190,9 +232,26 @@ def test_a_killed_stand_in_leaves_no_command_running(tmp_path):
 def what_a_module_sees():
     """Run as ``python -m tests.test_warm_process`` by the test below: what a module run
     that way sees of its process."""
-    print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
-                      "main": __name__, "env": os.environ.get("PROBE"),
-                      "executable": sys.executable}))
+    import logging
+
+    import rdrop_fairseq  # noqa: F401 - before fairseq: it registers once fairseq is imported
+
+    looked_up = importlib.util.find_spec("fairseq") is not None  # a lookup imports nothing
+    before = "fairseq" in sys.modules
+    import fairseq
+    from fairseq import criterions, file_utils, trainer
+
+    root = logging.getLogger()
+    print(json.dumps({
+        "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "main": __name__,
+        "env": os.environ.get("PROBE"), "executable": sys.executable,
+        # what importing fairseq did: the root logger its modules' basicConfig set up, the
+        # cache path it read from the environment, the plugin's criteria registered
+        "fairseq": [looked_up, before, fairseq.__spec__.origin,
+                    type(fairseq.__loader__).__name__, trainer.__name__ in sys.modules],
+        "root": [root.level, [(type(h).__name__, h.formatter._fmt) for h in root.handlers]],
+        "cache": str(file_utils.PYTORCH_FAIRSEQ_CACHE),
+        "rdrop_criteria": sorted(c for c in criterions.CRITERION_REGISTRY if "rdrop" in c)}))
     sys.exit(3)
 
 
@@ -208,7 +267,8 @@ def test_python_m_of_this_repositorys_modules_runs_warm_as_a_real_one(tmp_path, 
     monkeypatch.setattr(warm_client, "WARM_PACKAGES", (*warm_client.WARM_PACKAGES, "tests"))
     cmd = [sys.executable, "-m", "tests.test_warm_process", "a b", "--c"]
     assert warm_process.warm_module(cmd) == warm_process.RUN_MODULE
-    env = caller_env(PROBE="1", PYTHONPATH=str(REPO))
+    env = caller_env(PROBE="1", PYTHONPATH=str(REPO),
+                     XDG_CACHE_HOME=str(tmp_path / "cache"))
     warm = warm_process.run_warm(cmd, tmp_path, env, 60)
     real = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=60)
@@ -219,6 +279,12 @@ def test_python_m_of_this_repositorys_modules_runs_warm_as_a_real_one(tmp_path, 
     assert {k: v for k, v in seen.items() if k != "executable"} == real_seen
     assert real_seen["argv"] == [str(REPO / "tests" / "test_warm_process.py"), "a b", "--c"]
     assert real_seen["path0"] == str(tmp_path) and real_seen["main"] == "__main__"
+    # fairseq's import (set aside in the server, put back by the command's ``import
+    # fairseq``) as in the real process: fairseq's first basicConfig set up the root logger
+    assert real_seen["fairseq"][:2] == [True, False] and real_seen["fairseq"][-1] is True
+    assert real_seen["root"] == [logging.DEBUG, [["StreamHandler", "%(levelname)s:%(name)s:%(message)s"]]]
+    assert real_seen["cache"] == str(tmp_path / "cache" / "torch" / "pytorch_fairseq")
+    assert "label_smoothed_cross_entropy_rdrop" in real_seen["rdrop_criteria"]
 
     path = {"PATH": f"{fairseq_bin()}:{REAL_BIN}:/usr/bin:/bin"}
     other = subprocess.run(["bash", "-c", "python3 -c 'import sys; print(sys.executable)'"],

@@ -11,11 +11,13 @@ time-out, as with ``subprocess.run``.
 
 What a command does the way a new process does:
 
-* it imports fairseq itself (the server forgot fairseq's modules after loading the
-  libraries): fairseq's logging set-up, which differs between the tools (``fairseq-train``
-  logs to stdout in fairseq's format, ``fairseq-preprocess`` to stderr in Python's default
-  one), its messages while being imported ("Please install tensorboardX"), its
-  registries, and the plugin through ``--user-dir``;
+* its ``import fairseq`` is where fairseq's package is imported: the server imported it
+  once and set it aside, and that import puts it back and repeats what the import does
+  (its ``logging.basicConfig`` calls and log records, "Please install tensorboardX", and the
+  cache paths it reads from the environment; tests/warm_server.py); the tool's own
+  modules (``fairseq_cli``) it imports itself: its logging set-up, which differs between
+  the tools (``fairseq-train`` logs to stdout in fairseq's format, ``fairseq-preprocess``
+  to stderr in Python's default one), and the plugin through ``--user-dir``;
 * ``sys.path`` is a new interpreter's for the console script: the script's directory,
   PYTHONPATH (relative entries from the command's working directory), then the
   interpreter's own (not the test worker's);
@@ -35,9 +37,12 @@ PYTHONPATH holds another copy of a library the server loaded), the forked child 
 the real console script instead: a real process, in the same place.
 
 What still differs from a new process: the libraries the server loaded are loaded once, so
-what *they* print or warn while being imported happened once, in the server, and state
-that fairseq's import leaves in them (hydra's config store) is the server's import's, then
-the command's; the locale (LANG, LC_*: the standard streams' and ``open``'s default
+what *they* print or warn while being imported happened once, in the server (log records
+of fairseq's import excepted, above), and state that fairseq's import leaves in them
+(hydra's config store) is the server's import's, then the command's; the warnings fairseq's
+import raises (none shown under Python's default filters; PYTHONWARNINGS makes a command
+real) and the modules of fairseq's package in ``sys.modules`` after ``import fairseq`` are
+the server's import's, whatever the command imported before it; the locale (LANG, LC_*: the standard streams' and ``open``'s default
 encoding) and TZ are the server's; ``multiprocessing.current_process()`` is a forked
 process, not "MainProcess"; the command is a child of the server, not of its caller (see
 ``fairseq_bin``); a module run as ``python -m`` (``RUN_MODULE``: this repository's,
@@ -51,6 +56,7 @@ import importlib
 import importlib.machinery
 import io
 import json
+import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -108,8 +114,9 @@ _READ_AT_START = ("PYTHON", "OMP_", "MKL_", "GOMP_", "OPENBLAS_", "TORCH_", "PYT
 _APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS",
             "MKL_NUM_THREADS"}
 # no interpreter reads a variable named PYTHON alone (the recipe scripts' interpreter, set by
-# the experiments and the tests): it is not one of the PYTHON* above
-_NOT_READ_AT_START = {"PYTHON"}
+# the experiments and the tests): it is not one of the PYTHON* above; fairseq reads
+# PYTORCH_FAIRSEQ_CACHE while being imported, which a command does anew (warm_server.py)
+_NOT_READ_AT_START = {"PYTHON", "PYTORCH_FAIRSEQ_CACHE"}
 
 
 def _warm_context():
@@ -190,7 +197,9 @@ def fresh_sys_path(script, cwd, env, interpreter_path, module=False):
 def shadowed_module(entries):
     """The name of a module already imported that one of ``entries`` holds another copy
     of (a new process would import that one), or None."""
-    loaded = {name: module.__file__ for name, module in list(sys.modules.items())
+    server = sys.modules.get("tests.warm_server")
+    kept = server.KEPT if server else {}  # fairseq's package, set aside (tests/warm_server.py)
+    loaded = {name: module.__file__ for name, module in [*sys.modules.items(), *kept.items()]
               if "." not in name and getattr(module, "__file__", None)}
     for entry in entries:
         try:
@@ -203,6 +212,53 @@ def shadowed_module(entries):
                                          != os.path.realpath(loaded[name])):
                 return name
     return None
+
+
+class ImportEffects(logging.Handler):
+    """``with ImportEffects() as effects: import ...``: ``effects.effects``, what the import
+    did to the logging set-up, in order: each ``logging.basicConfig`` call (``("basicConfig",
+    args, kwargs)``) and each log record (``("record", record)``), whatever the levels (the
+    root passes all records to it meanwhile; a basicConfig call does nothing then, as the
+    root has a handler). :func:`repeat_import_effects` repeats them in another process."""
+
+    def __init__(self):
+        super().__init__(level=1)
+        self.effects = []
+
+    def emit(self, record):
+        self.effects.append(("record", record))
+
+    def __enter__(self):
+        root = logging.getLogger()
+        self.saved = root.level, root.handlers[:], logging.basicConfig
+        root.handlers[:] = [self]
+        root.setLevel(1)
+        real = logging.basicConfig
+
+        def recording(*args, **kwargs):
+            self.effects.append(("basicConfig", args, kwargs))
+            return real(*args, **kwargs)
+
+        logging.basicConfig = recording
+        return self
+
+    def __exit__(self, *exc):
+        root = logging.getLogger()
+        root.level, root.handlers[:], logging.basicConfig = self.saved
+
+
+def repeat_import_effects(effects):
+    """Do what an import recorded by ImportEffects did, here: its basicConfig calls, and the
+    records that the loggers, as set up at that point, let through."""
+    for kind, *effect in effects:
+        if kind == "basicConfig":
+            args, kwargs = effect
+            logging.basicConfig(*args, **kwargs)
+        else:
+            (record,) = effect
+            logger = logging.getLogger(record.name)
+            if logger.isEnabledFor(record.levelno):
+                logger.handle(record)
 
 
 def _new_standard_streams(unbuffered):

@@ -3,17 +3,30 @@
 It imports every fairseq tool's module, so that the libraries they use (torch, scipy,
 scikit-learn, hydra, ...: 2.26 s of the 2.65 s ``import fairseq_cli.train`` takes here) are
 loaded, and ``torch._dynamo``, which torch loads while a training builds its optimizer
-(1.7 s); then it forgets the modules of fairseq's distribution again and resets the root
-logger: each command imports fairseq itself (0.35 s), as a new process does, so that what
-fairseq does while being imported (its logging set-up, which differs between the tools,
-"Please install tensorboardX", its registries) happens in the command, from the command's
-``sys.path``.
+(1.7 s).
+
+fairseq's package itself (``import fairseq``: 0.35 s of every command here, some 250
+commands a suite) is imported first, alone, as a new process imports it, and then set aside
+(``KEPT``): out of ``sys.modules``, so that a command's own ``import fairseq`` is still the
+moment it happens. There :class:`PutBackFairseq` puts the kept modules back and repeats
+what that import does to the process: the ``logging.basicConfig`` calls fairseq's modules
+make while being imported (the first one sets the root logger up where nothing has: the
+reason ``fairseq-preprocess`` logs to stderr in Python's format), the log records they emit
+(none where tensorboardX is installed), in their order, and the cache paths
+``fairseq.file_utils`` reads from the environment (HOME, TORCH_HOME, PYTORCH_FAIRSEQ_CACHE).
+The modules of fairseq's tools (``fairseq_cli``), and those of the package that only the
+tools import (its trainer, ...), are forgotten: each command imports them itself, so their
+own logging set-up (which differs between the tools) happens in the command, from the
+command's ``sys.path``; the registries (criteria, models, tasks) are the package's as its
+import leaves them, and the plugin registers into them in the command.
 
 The forkserver ignores a preload module that fails to import: this one never raises and
 keeps the failure in ``FAILED`` instead, which every command checks before it runs.
 """
 
+import copy
 import importlib
+import importlib.abc
 import json
 import logging
 import os
@@ -21,11 +34,15 @@ import subprocess
 import sys
 import traceback
 
-from tests.warm_process import FAIRSEQ_TOOLS, fairseq_top_level
+from tests.warm_process import (FAIRSEQ_TOOLS, ImportEffects, fairseq_top_level,
+                                repeat_import_effects)
 
 START_ENV = dict(os.environ)  # as the server started, before the imports below change it
 FAILED = None  # the traceback of a failed preload
 FRESH_PATH = None  # sys.path of a new interpreter after its first entry, without PYTHONPATH
+KEPT = {}  # fairseq's modules as ``import fairseq`` leaves them: name -> module
+KEPT_SPEC = None  # fairseq's own __spec__
+KEPT_EFFECTS = []  # what that import did: ("basicConfig", args, kwargs) or ("record", record)
 
 
 def _fresh_path():
@@ -35,7 +52,20 @@ def _fresh_path():
     return json.loads(out)
 
 
+def _import_fairseq_package():
+    global KEPT_SPEC
+    before = set(sys.modules)
+    with ImportEffects() as recorder:
+        importlib.import_module("fairseq")
+    KEPT_EFFECTS[:] = recorder.effects
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] == "fairseq":
+            KEPT[name] = sys.modules[name]
+    KEPT_SPEC = KEPT["fairseq"].__spec__
+
+
 def _preload():
+    _import_fairseq_package()
     for entry in sorted(set(FAIRSEQ_TOOLS.values())):
         importlib.import_module(entry.split(":")[0])
     # torch imports torch._dynamo (and sympy) on the first call of a function it keeps out
@@ -45,11 +75,41 @@ def _preload():
     importlib.import_module("torch._dynamo")
     names = fairseq_top_level()
     for name in [m for m in sys.modules if m.split(".")[0] in names]:
-        del sys.modules[name]
+        module = sys.modules.pop(name)
+        parent, _, child = name.rpartition(".")
+        if name not in KEPT and getattr(KEPT.get(parent), child, None) is module:
+            # ``from fairseq import trainer`` in the command imports it anew
+            delattr(KEPT[parent], child)
+    sys.meta_path.insert(0, PutBackFairseq())
     root = logging.getLogger()  # as before any basicConfig
     for handler in root.handlers[:]:
         root.removeHandler(handler)
     root.setLevel(logging.WARNING)
+
+
+class PutBackFairseq(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """In a command: its first ``import fairseq`` gets the kept package (a lookup alone,
+    ``importlib.util.find_spec``, does nothing), with the effects of its import."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "fairseq" or "fairseq" in sys.modules:
+            return None
+        spec = copy.copy(KEPT_SPEC)
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return KEPT["fairseq"]
+
+    def exec_module(self, module):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        module.__spec__, module.__loader__ = KEPT_SPEC, KEPT_SPEC.loader
+        for name, kept in KEPT.items():
+            sys.modules.setdefault(name, kept)
+        repeat_import_effects(KEPT_EFFECTS)
+        # its cache paths, read from the environment while it is imported: the command's
+        importlib.reload(sys.modules["fairseq.file_utils"])
 
 
 try:
