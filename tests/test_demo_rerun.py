@@ -127,6 +127,15 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
             if value.is_floating_point():
                 torch.testing.assert_close(value, (first_epoch[name] + second_epoch[name]) / 2)
     assert (out / "valid_bleu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --quick's test translations stop at 1.2 x the source's length + 10 tokens (its
+    # barely trained models run on to fairseq's default of 200): the P- lines' scores,
+    # one per token and the end of sentence
+    sources = (out / "data" / "bpe" / "test.de").read_text().splitlines()
+    cap = 1.2 * (max(len(line.split()) for line in sources) + 1) + 10  # + 1: its EOS
+    lengths = [len(line.split("\t")[1].split()) - 1
+               for line in (out / "r_drop_seed2.test.txt").read_text().splitlines()
+               if line.startswith("P-")]
+    assert len(lengths) == len(sources) == 20 and max(lengths) <= cap, (lengths, cap)
     train_lines = (out / "data" / "tok" / "train.de").read_text().splitlines()
     assert 150 < len(train_lines) <= 200  # the subset, after length cleaning
     assert "'max_tokens': 1024," in (out / "baseline_seed1.log").read_text()

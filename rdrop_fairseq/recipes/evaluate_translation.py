@@ -119,9 +119,11 @@ def generate_command(data, checkpoint, src, tgt, subset, beam, lenpen, batch_siz
 
 def generate_and_score(data, checkpoint, out, src="de", tgt="en", subset="test", beam=5,
                        lenpen=1.0, metric="tokenized", batch_size=128, cpu=False, quiet=False,
-                       original_refs=None, lowercase=False):
-    """fairseq-generate into ``out``, then ``(score line, BLEU, sentence count)``."""
-    cmd = generate_command(data, checkpoint, src, tgt, subset, beam, lenpen, batch_size, cpu)
+                       original_refs=None, lowercase=False, extra_args=()):
+    """fairseq-generate (with ``extra_args``) into ``out``, then ``(score line, BLEU,
+    sentence count)``."""
+    cmd = [*generate_command(data, checkpoint, src, tgt, subset, beam, lenpen, batch_size,
+                             cpu), *extra_args]
     if not quiet:
         print(f"[evaluate] beam {beam}, lenpen {lenpen}, {metric}: {' '.join(cmd)}", flush=True)
     with open(out, "w", encoding="utf-8") as f:
