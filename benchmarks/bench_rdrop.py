@@ -79,7 +79,8 @@ def build_step(method, vocab, tokens, arch="transformer_iwslt_de_en", arch_args=
                device="cpu", dtype="float32", extra_args=(), seq_len=32):
     """A fairseq model, criterion and sample for one training step of ``method``.
 
-    ``tokens`` target tokens per pass (the last 3 positions of each sentence padding); the
+    ``tokens`` target tokens per pass, in sentences of ``seq_len`` tokens (one sentence of
+    ``tokens`` where that is fewer), the last 3 positions of each sentence padding; the
     floor gets the doubled batch, the R-Drop criteria double it themselves.
     """
     import torch
@@ -103,6 +104,7 @@ def build_step(method, vocab, tokens, arch="transformer_iwslt_de_en", arch_args=
     model = task.build_model(cfg.model).to(device=device, dtype=getattr(torch, dtype))
     criterion = task.build_criterion(cfg.criterion)
     model.train()
+    seq_len = max(4, min(seq_len, tokens))
     rows = max(1, tokens // seq_len) * (2 if method == "floor" else 1)
     g = torch.Generator().manual_seed(1)
     src = torch.randint(4, vocab, (rows, seq_len), generator=g)

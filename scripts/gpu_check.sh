@@ -104,12 +104,12 @@ fi
 BENCH=("$PYTHON" "$REPO/benchmarks/bench_rdrop.py")
 ATTENDOUT=("$PYTHON" "$REPO/benchmarks/bench_attendout.py")
 if [ "$SMOKE" = 1 ]; then
-  # ours-triton in Triton's interpreter (a program per row, each ~35 ms: 32 tokens in the
-  # loss, one 32-token sentence in the step); each table in this process as on CUDA
+  # ours-triton in Triton's interpreter (a program per row, each ~35 ms: 16 tokens in the
+  # loss, one 16-token sentence in the step); each table in this process as on CUDA
   BENCH=(env TRITON_INTERPRET=1 "${BENCH[@]}" --device cpu --threads 1 --repeats 1 --one-process)
-  LOSS=(--dtype float32 --vocab 256 --tokens 32 --projection 32
+  LOSS=(--dtype float32 --vocab 256 --tokens 16 --projection 32
         --methods floor upstream ours-triton ours-fused-linear --fused-chunk-mb 0.01 0.1)
-  STEP=(--step-tiny --step-vocab 256 --step-tokens 32 --methods floor upstream ours-triton)
+  STEP=(--step-tiny --step-vocab 256 --step-tokens 16 --methods floor upstream ours-triton)
   SHAPE=(--layers 2 --dim 32 --heads 2 --length 16)
   # two arms: each is a process of its own that imports fairseq
   ATTENDOUT_STEP=(all "${SHAPE[@]}" --batch 2 --interval 2 --intervals 1 --repeats 1

@@ -59,7 +59,7 @@ def test_triton_impl_matches_torch_impl_through_the_criterion():
         for dtype in ("float32", "float16", "bfloat16"):
             results = []
             for method in ("ours-torch", "ours-triton"):
-                model, criterion, sample = build_step(method, 50, 64, arch_args=TINY_ARCH,
+                model, criterion, sample = build_step(method, 50, 32, arch_args=TINY_ARCH,
                                                       dtype=dtype)
                 torch.manual_seed(3)
                 loss, _, log = criterion(model, sample)
@@ -80,7 +80,7 @@ def test_triton_impl_matches_torch_impl_through_the_criterion():
         # ops do not depend on the depth), each kernel launch counted as one op
         from benchmarks.bench_rdrop import count_step_ops
         arch = "transformer_vaswani_wmt_en_de_big"
-        counts = [count_step_ops(*build_step(method, 64, 64, arch, arch_args=TINY_ARCH))
+        counts = [count_step_ops(*build_step(method, 64, 32, arch, arch_args=TINY_ARCH))
                   for method in ("floor", "ours-triton")]
         print("OPS", [[ops.total, ops.n_syncing] for ops in counts])
     """)
