@@ -46,7 +46,7 @@ import pytest
 import torch
 
 from tests.test_cli import parse_stats, tail, tool
-from tests.warm_process import run_command
+from tests.warm_process import fairseq_bin, run_command
 
 TOL = 1e-5
 BATCH = 3  # examples per batch and rank
@@ -320,7 +320,8 @@ def train(testkit, data, setting, save_dir, *extra, alpha=None):
 
 
 def train_ranks(testkit, data, setting, save_dir, *extra, world_size=2):
-    """One fairseq-train process per rank, as a CPU-only user would launch them."""
+    """One fairseq-train process per rank, as a CPU-only user would launch them (started
+    warm)."""
     for _ in range(3):  # the free port may be taken before rank 0 binds it
         init = f"tcp://127.0.0.1:{free_port()}"
         procs, logs = [], []
@@ -333,6 +334,9 @@ def train_ranks(testkit, data, setting, save_dir, *extra, world_size=2):
                                 "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp")
                 # files, not pipes: a rank blocked on a full pipe would stall the other
                 logs.append([save_dir.parent / f"rank{rank}.{name}" for name in ("out", "err")])
+                # the tool's warm stand-in (tests/warm_process.py): a process of its own per
+                # rank, forked from this worker's warm server
+                cmd = [Path(fairseq_bin()) / Path(cmd[0]).name, *cmd[1:]]
                 with open(logs[-1][0], "w") as out, open(logs[-1][1], "w") as err:
                     procs.append(subprocess.Popen([str(c) for c in cmd], cwd=save_dir.parent,
                                                   env=env(), stdout=out, stderr=err))
