@@ -165,6 +165,20 @@ def test_an_imports_logging_set_up_and_records_are_repeated_in_their_order(monke
         root.handlers[:] = saved[1]
 
 
+def test_a_command_that_may_see_a_gpu_imports_fairseq_anew():
+    """fairseq's import counts the GPUs into its defaults (distributed_world_size); the
+    warm server's, which sees none, counted 0: a command that may see one (a CUDA or ROCm
+    build of torch, CUDA_VISIBLE_DEVICES not empty) does not get the kept package."""
+    from types import SimpleNamespace as Version
+
+    cpu_build, cuda_build = Version(cuda=None, hip=None), Version(cuda="12.8", hip=None)
+    assert not warm_process.may_see_a_gpu(cpu_build, {"CUDA_VISIBLE_DEVICES": "0"})
+    assert warm_process.may_see_a_gpu(cuda_build, {})
+    assert warm_process.may_see_a_gpu(cuda_build, {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert warm_process.may_see_a_gpu(Version(cuda=None, hip="6.3"), {})
+    assert not warm_process.may_see_a_gpu(cuda_build, {"CUDA_VISIBLE_DEVICES": ""})
+
+
 def blocked_preprocess(tmp_path, sigint=signal.SIG_DFL):
     """A stand-in fairseq-preprocess whose training text is a named pipe that nobody
     writes to: it blocks opening it until stopped. SIGINT as a terminal's foreground job
@@ -240,6 +254,7 @@ def what_a_module_sees():
     before = "fairseq" in sys.modules
     import fairseq
     from fairseq import criterions, file_utils, trainer
+    from fairseq.dataclass.configs import DistributedTrainingConfig
 
     root = logging.getLogger()
     print(json.dumps({
@@ -251,6 +266,8 @@ def what_a_module_sees():
                     type(fairseq.__loader__).__name__, trainer.__name__ in sys.modules],
         "root": [root.level, [(type(h).__name__, h.formatter._fmt) for h in root.handlers]],
         "cache": str(file_utils.PYTORCH_FAIRSEQ_CACHE),
+        # the number of GPUs, counted while fairseq is imported (a GPU machine's test)
+        "world_size": DistributedTrainingConfig().distributed_world_size,
         "rdrop_criteria": sorted(c for c in criterions.CRITERION_REGISTRY if "rdrop" in c)}))
     sys.exit(3)
 

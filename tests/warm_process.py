@@ -14,7 +14,8 @@ What a command does the way a new process does:
 * its ``import fairseq`` is where fairseq's package is imported: the server imported it
   once and set it aside, and that import puts it back and repeats what the import does
   (its ``logging.basicConfig`` calls and log records, "Please install tensorboardX", and the
-  cache paths it reads from the environment; tests/warm_server.py); the tool's own
+  cache paths it reads from the environment; tests/warm_server.py), or, where the command
+  may see a GPU, imports it anew (its defaults count the GPUs); the tool's own
   modules (``fairseq_cli``) it imports itself: its logging set-up, which differs between
   the tools (``fairseq-train`` logs to stdout in fairseq's format, ``fairseq-preprocess``
   to stderr in Python's default one), and the plugin through ``--user-dir``;
@@ -259,6 +260,13 @@ def repeat_import_effects(effects):
             logger = logging.getLogger(record.name)
             if logger.isEnabledFor(record.levelno):
                 logger.handle(record)
+
+
+def may_see_a_gpu(torch_version, env):
+    """Whether a command with environment ``env`` and torch's ``torch.version`` may count a
+    GPU (without asking torch, which could initialise CUDA)."""
+    built = torch_version.cuda or getattr(torch_version, "hip", None)
+    return bool(built) and env.get("CUDA_VISIBLE_DEVICES") != ""
 
 
 def _new_standard_streams(unbuffered):

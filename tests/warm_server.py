@@ -14,6 +14,9 @@ make while being imported (the first one sets the root logger up where nothing h
 reason ``fairseq-preprocess`` logs to stderr in Python's format), the log records they emit
 (none where tensorboardX is installed), in their order, and the cache paths
 ``fairseq.file_utils`` reads from the environment (HOME, TORCH_HOME, PYTORCH_FAIRSEQ_CACHE).
+Where the command's torch may see a GPU (a CUDA build, CUDA_VISIBLE_DEVICES not empty), its
+``import fairseq`` is a new one instead: fairseq's import reads the number of GPUs into its
+defaults (``distributed_world_size``), and the server, which sees none, read 0.
 The modules of fairseq's tools (``fairseq_cli``), and those of the package that only the
 tools import (its trainer, ...), are forgotten: each command imports them itself, so their
 own logging set-up (which differs between the tools) happens in the command, from the
@@ -35,7 +38,7 @@ import sys
 import traceback
 
 from tests.warm_process import (FAIRSEQ_TOOLS, ImportEffects, fairseq_top_level,
-                                repeat_import_effects)
+                                may_see_a_gpu, repeat_import_effects)
 
 START_ENV = dict(os.environ)  # as the server started, before the imports below change it
 FAILED = None  # the traceback of a failed preload
@@ -92,8 +95,9 @@ class PutBackFairseq(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     ``importlib.util.find_spec``, does nothing), with the effects of its import."""
 
     def find_spec(self, name, path=None, target=None):
-        if name != "fairseq" or "fairseq" in sys.modules:
-            return None
+        if (name != "fairseq" or "fairseq" in sys.modules
+                or may_see_a_gpu(sys.modules["torch"].version, os.environ)):
+            return None  # a new import, from the command's sys.path
         spec = copy.copy(KEPT_SPEC)
         spec.loader = self
         return spec
