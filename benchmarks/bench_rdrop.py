@@ -79,8 +79,9 @@ def build_step(method, vocab, tokens, arch="transformer_iwslt_de_en", arch_args=
                device="cpu", dtype="float32", extra_args=(), seq_len=32):
     """A fairseq model, criterion and sample for one training step of ``method``.
 
-    ``tokens`` target tokens per pass, in sentences of ``seq_len`` tokens (one sentence of
-    ``tokens`` where that is fewer), the last 3 positions of each sentence padding; the
+    ``tokens`` target tokens per pass (rounded down to whole sentences), in sentences of
+    ``seq_len`` tokens (one sentence of ``tokens``, at least 4, where that is fewer), the
+    last 3 positions of each sentence padding; the
     floor gets the doubled batch, the R-Drop criteria double it themselves.
     """
     import torch

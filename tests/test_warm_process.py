@@ -128,6 +128,23 @@ def test_which_environments_a_forked_command_can_take():
     assert entries == ["/work/rel", "/work", "/abs"]
 
 
+def test_another_fairseq_first_on_the_path_is_the_one_a_warm_command_imports(
+        tmp_path, monkeypatch):
+    """A module that puts another copy of fairseq first on sys.path while it runs imports
+    that copy, as a new process does, not the package the warm server kept."""
+    from tests import warm_client
+
+    monkeypatch.setattr(warm_client, "WARM_PACKAGES", (*warm_client.WARM_PACKAGES, "tests"))
+    other = tmp_path / "other"
+    (other / "fairseq").mkdir(parents=True)
+    (other / "fairseq" / "__init__.py").write_text("")
+    cmd = [sys.executable, "-m", "tests.test_warm_process"]
+    env = caller_env(PROBE="other-fairseq", OTHER=str(other), PYTHONPATH=str(REPO))
+    warm = warm_process.run_warm(cmd, tmp_path, env, 60)
+    assert warm.returncode == 0, warm.stderr
+    assert json.loads(warm.stdout) == {"fairseq": str(other / "fairseq" / "__init__.py")}
+
+
 def test_an_imports_logging_set_up_and_records_are_repeated_in_their_order(monkeypatch):
     """What the warm server records while it imports fairseq, and a command's ``import
     fairseq`` repeats (tests/warm_server.py): a record logged before the import's first
@@ -165,18 +182,22 @@ def test_an_imports_logging_set_up_and_records_are_repeated_in_their_order(monke
         root.handlers[:] = saved[1]
 
 
-def test_a_command_that_may_see_a_gpu_imports_fairseq_anew():
-    """fairseq's import counts the GPUs into its defaults (distributed_world_size); the
-    warm server's, which sees none, counted 0: a command that may see one (a CUDA or ROCm
-    build of torch, CUDA_VISIBLE_DEVICES not empty) does not get the kept package."""
+def test_a_command_imports_fairseq_anew_where_the_kept_package_would_differ():
+    """fairseq's import counts the GPUs into its defaults (distributed_world_size) and reads
+    LOCAL_RANK (device_id's): the warm server's import saw no GPU and its own LOCAL_RANK, so
+    a command that may see a GPU (a CUDA or ROCm build of torch, CUDA_VISIBLE_DEVICES not
+    empty) or has another LOCAL_RANK imports fairseq anew."""
     from types import SimpleNamespace as Version
 
     cpu_build, cuda_build = Version(cuda=None, hip=None), Version(cuda="12.8", hip=None)
-    assert not warm_process.may_see_a_gpu(cpu_build, {"CUDA_VISIBLE_DEVICES": "0"})
-    assert warm_process.may_see_a_gpu(cuda_build, {})
-    assert warm_process.may_see_a_gpu(cuda_build, {"CUDA_VISIBLE_DEVICES": "0,1"})
-    assert warm_process.may_see_a_gpu(Version(cuda=None, hip="6.3"), {})
-    assert not warm_process.may_see_a_gpu(cuda_build, {"CUDA_VISIBLE_DEVICES": ""})
+    because = warm_process.fairseq_reimport_because
+    assert because(cpu_build, {"CUDA_VISIBLE_DEVICES": "0"}, {}) is None
+    assert "GPU" in because(cuda_build, {}, {})
+    assert "GPU" in because(cuda_build, {"CUDA_VISIBLE_DEVICES": "0,1"}, {})
+    assert "GPU" in because(Version(cuda=None, hip="6.3"), {}, {})
+    assert because(cuda_build, {"CUDA_VISIBLE_DEVICES": ""}, {}) is None
+    assert "LOCAL_RANK" in because(cpu_build, {"LOCAL_RANK": "1"}, {})
+    assert because(cpu_build, {"LOCAL_RANK": "1"}, {"LOCAL_RANK": "1"}) is None
 
 
 def blocked_preprocess(tmp_path, sigint=signal.SIG_DFL):
@@ -248,6 +269,12 @@ def what_a_module_sees():
     that way sees of its process."""
     import logging
 
+    if os.environ["PROBE"] == "other-fairseq":  # put first on sys.path while running
+        sys.path.insert(0, os.environ["OTHER"])
+        import fairseq
+        print(json.dumps({"fairseq": fairseq.__file__}))
+        sys.exit(0)
+
     import rdrop_fairseq  # noqa: F401 - before fairseq: it registers once fairseq is imported
 
     looked_up = importlib.util.find_spec("fairseq") is not None  # a lookup imports nothing
@@ -257,7 +284,9 @@ def what_a_module_sees():
     from fairseq.dataclass.configs import DistributedTrainingConfig
 
     root = logging.getLogger()
+    server = sys.modules.get("tests.warm_server")  # loaded in a warm command only
     print(json.dumps({
+        "kept": bool(server) and fairseq is server.KEPT.get("fairseq"),
         "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "main": __name__,
         "env": os.environ.get("PROBE"), "executable": sys.executable,
         # what importing fairseq did: the root logger its modules' basicConfig set up, the
@@ -291,6 +320,14 @@ def test_python_m_of_this_repositorys_modules_runs_warm_as_a_real_one(tmp_path, 
                           timeout=60)
     assert warm.returncode == real.returncode == 3, warm.stderr + real.stderr
     seen, real_seen = json.loads(warm.stdout), json.loads(real.stdout)
+    # the package the server kept, where it is what a new process would import (here, on a
+    # CPU build of torch); what its import logs, as in the real process
+    import torch
+
+    keeps = warm_process.fairseq_reimport_because(torch.version, env,
+                                                  warm_process._server_env) is None
+    assert seen.pop("kept") is keeps and real_seen.pop("kept") is False
+    assert warm.stderr == real.stderr
     assert seen["executable"] == os.path.join(fairseq_bin(), "python3")
     assert real_seen.pop("executable") == sys.executable
     assert {k: v for k, v in seen.items() if k != "executable"} == real_seen

@@ -14,8 +14,9 @@ What a command does the way a new process does:
 * its ``import fairseq`` is where fairseq's package is imported: the server imported it
   once and set it aside, and that import puts it back and repeats what the import does
   (its ``logging.basicConfig`` calls and log records, "Please install tensorboardX", and the
-  cache paths it reads from the environment; tests/warm_server.py), or, where the command
-  may see a GPU, imports it anew (its defaults count the GPUs); the tool's own
+  cache paths it reads from the environment; tests/warm_server.py), or imports it anew
+  where the kept one is not what a new process would import (another copy first on its
+  path, a GPU it may see, its LOCAL_RANK: ``fairseq_reimport_because``); the tool's own
   modules (``fairseq_cli``) it imports itself: its logging set-up, which differs between
   the tools (``fairseq-train`` logs to stdout in fairseq's format, ``fairseq-preprocess``
   to stderr in Python's default one), and the plugin through ``--user-dir``;
@@ -53,6 +54,7 @@ other modules), are real subprocesses.
 """
 
 import atexit
+import copy
 import importlib
 import importlib.machinery
 import io
@@ -73,6 +75,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from importlib.metadata import distribution, packages_distributions
 from pathlib import Path
@@ -245,7 +248,20 @@ class ImportEffects(logging.Handler):
 
     def __exit__(self, *exc):
         root = logging.getLogger()
-        root.level, root.handlers[:], logging.basicConfig = self.saved
+        level, root.handlers[:], logging.basicConfig = self.saved
+        root.setLevel(level)  # clears the loggers' cached levels too
+
+
+def _as_if_now(record):
+    """A copy of ``record`` as this process would make it now (its time, process, thread)."""
+    record = copy.copy(record)
+    record.created = time.time()
+    record.msecs = (record.created - int(record.created)) * 1000
+    record.relativeCreated = (record.created - logging._startTime) * 1000
+    record.process = os.getpid()
+    record.processName = multiprocessing.current_process().name
+    record.thread, record.threadName = threading.get_ident(), threading.current_thread().name
+    return record
 
 
 def repeat_import_effects(effects):
@@ -259,7 +275,7 @@ def repeat_import_effects(effects):
             (record,) = effect
             logger = logging.getLogger(record.name)
             if logger.isEnabledFor(record.levelno):
-                logger.handle(record)
+                logger.handle(_as_if_now(record))
 
 
 def may_see_a_gpu(torch_version, env):
@@ -267,6 +283,22 @@ def may_see_a_gpu(torch_version, env):
     GPU (without asking torch, which could initialise CUDA)."""
     built = torch_version.cuda or getattr(torch_version, "hip", None)
     return bool(built) and env.get("CUDA_VISIBLE_DEVICES") != ""
+
+
+# read while fairseq's package is imported (its config defaults), besides the cache paths
+# that tests/warm_server.py reads again
+FAIRSEQ_IMPORT_READS = ("LOCAL_RANK",)
+
+
+def fairseq_reimport_because(torch_version, env, server_env):
+    """Why a command with environment ``env`` must import fairseq anew rather than get the
+    package the warm server imported with ``server_env`` (a sentence), or None."""
+    if may_see_a_gpu(torch_version, env):
+        return "torch may see a GPU, which fairseq's defaults count"
+    for name in FAIRSEQ_IMPORT_READS:
+        if env.get(name) != server_env.get(name):
+            return f"{name} differs from the warm server's"
+    return None
 
 
 def _new_standard_streams(unbuffered):

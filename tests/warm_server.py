@@ -14,9 +14,12 @@ make while being imported (the first one sets the root logger up where nothing h
 reason ``fairseq-preprocess`` logs to stderr in Python's format), the log records they emit
 (none where tensorboardX is installed), in their order, and the cache paths
 ``fairseq.file_utils`` reads from the environment (HOME, TORCH_HOME, PYTORCH_FAIRSEQ_CACHE).
-Where the command's torch may see a GPU (a CUDA build, CUDA_VISIBLE_DEVICES not empty), its
-``import fairseq`` is a new one instead: fairseq's import reads the number of GPUs into its
-defaults (``distributed_world_size``), and the server, which sees none, read 0.
+The command's ``import fairseq`` is a new one instead where the kept package would differ
+from what a new process imports: another copy of fairseq first on the command's
+``sys.path``; a torch that may see a GPU (a CUDA build, CUDA_VISIBLE_DEVICES not empty:
+fairseq's import counts the GPUs into its defaults, ``distributed_world_size``, and the
+server, which sees none, counted 0); a LOCAL_RANK other than the server's (the default of
+``device_id``).
 The modules of fairseq's tools (``fairseq_cli``), and those of the package that only the
 tools import (its trainer, ...), are forgotten: each command imports them itself, so their
 own logging set-up (which differs between the tools) happens in the command, from the
@@ -30,6 +33,7 @@ keeps the failure in ``FAILED`` instead, which every command checks before it ru
 import copy
 import importlib
 import importlib.abc
+import importlib.machinery
 import json
 import logging
 import os
@@ -38,7 +42,7 @@ import sys
 import traceback
 
 from tests.warm_process import (FAIRSEQ_TOOLS, ImportEffects, fairseq_top_level,
-                                may_see_a_gpu, repeat_import_effects)
+                                fairseq_reimport_because, repeat_import_effects)
 
 START_ENV = dict(os.environ)  # as the server started, before the imports below change it
 FAILED = None  # the traceback of a failed preload
@@ -92,11 +96,16 @@ def _preload():
 
 class PutBackFairseq(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """In a command: its first ``import fairseq`` gets the kept package (a lookup alone,
-    ``importlib.util.find_spec``, does nothing), with the effects of its import."""
+    ``importlib.util.find_spec``, does nothing), with the effects of its import; a new
+    import where the kept one is not what a new process would import (below)."""
 
     def find_spec(self, name, path=None, target=None):
-        if (name != "fairseq" or "fairseq" in sys.modules
-                or may_see_a_gpu(sys.modules["torch"].version, os.environ)):
+        if name != "fairseq" or "fairseq" in sys.modules:
+            return None
+        found = importlib.machinery.PathFinder.find_spec(name, sys.path)
+        if (found is None or found.origin != KEPT_SPEC.origin  # another copy first on the path
+                or fairseq_reimport_because(sys.modules["torch"].version, os.environ,
+                                            START_ENV)):
             return None  # a new import, from the command's sys.path
         spec = copy.copy(KEPT_SPEC)
         spec.loader = self
@@ -106,14 +115,26 @@ class PutBackFairseq(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return KEPT["fairseq"]
 
     def exec_module(self, module):
+        added = [name for name in KEPT if name not in sys.modules]
+        try:
+            for name in added:
+                sys.modules[name] = KEPT[name]
+            repeat_import_effects(KEPT_EFFECTS)
+            # its cache paths, read from the environment while it is imported: the command's
+            importlib.reload(sys.modules["fairseq.file_utils"])
+        except BaseException:
+            for name in added:  # as a failed import leaves it: not imported
+                if name != "fairseq":
+                    sys.modules.pop(name, None)
+            raise
+        # the package as imported from its file, once the import has nothing left to do
+        module.__spec__, module.__loader__ = KEPT_SPEC, KEPT_SPEC.loader
         if self in sys.meta_path:
             sys.meta_path.remove(self)
-        module.__spec__, module.__loader__ = KEPT_SPEC, KEPT_SPEC.loader
-        for name, kept in KEPT.items():
-            sys.modules.setdefault(name, kept)
-        repeat_import_effects(KEPT_EFFECTS)
-        # its cache paths, read from the environment while it is imported: the command's
-        importlib.reload(sys.modules["fairseq.file_utils"])
+
+    def __getattr__(self, name):
+        # what a lookup's loader offers besides loading (get_data, get_filename, ...)
+        return getattr(KEPT_SPEC.loader, name)
 
 
 try:

@@ -255,6 +255,7 @@ def test_each_jobs_wall_and_cpu_seconds_are_its_processes(tmp_path):
                      for name in ("burns", "sleeps"))
     assert burns["cpu_s"] in (1, 2) and burns["wall_s"] >= 1, burns
     assert sleeps["cpu_s"] == 0 and sleeps["wall_s"] >= 1, sleeps
-    with pytest.raises(SystemExit, match=f"error: fails failed, see {tmp_path / 'fails.log'}"):
+    with pytest.raises(SystemExit,
+                       match=re.escape(f"error: fails failed, see {tmp_path / 'fails.log'}")):
         run_parallel([("fails", [sys.executable, "-c", "raise SystemExit(3)"],
                        tmp_path / "fails.log")], 1)
