@@ -1,4 +1,5 @@
-"""The README's first command, the LibreOffice demo (``bash scripts/demo.sh``), shrunk: it
+"""The README's first command, the LibreOffice demo (``bash scripts/demo.sh``; its module
+after the first step), shrunk: it
 trains, scores and plots every run, and it can be stopped and run again: a rerun reuses
 the prepared data and the finished runs, continues an interrupted run from its
 checkpoint, rebuilds a half-written data directory, refuses other settings in the same
@@ -26,11 +27,12 @@ import torch
 from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
 from rdrop_fairseq.recipes.libreoffice_demo import Cores
 from tests.recipe_helpers import terminal_sigint
-from tests.warm_process import fairseq_bin
+from tests.warm_process import fairseq_bin, forks_warm, run_command
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO = ["bash", str(REPO / "scripts" / "demo.sh"), "--quick", "--epochs", "2",
-        "--train-pairs", "200", "--eval-pairs", "20", "--seeds", "1", "2"]
+SETTINGS = ["--quick", "--epochs", "2", "--train-pairs", "200", "--eval-pairs", "20",
+            "--seeds", "1", "2"]
+DEMO = ["bash", str(REPO / "scripts" / "demo.sh"), *SETTINGS]
 RUNS = ["--runs", "baseline", "R-Drop"]  # the reruns' (step 1 plans the default runs)
 
 
@@ -40,11 +42,16 @@ def env(tmp_path):
 
 
 def demo(tmp_path, out, *extra):
-    """A demo run to its end. fairseq's tools start warm (tests/warm_process.py): what is
-    about real processes (Ctrl-C, no training left running) is step 1's, which runs them
-    as a user's run does."""
-    proc = subprocess.run([*DEMO, "--out", str(out), *extra], capture_output=True, text=True,
-                          timeout=600, env={**env(tmp_path), "FAIRSEQ_BIN": fairseq_bin()})
+    """A demo run to its end: what demo.sh runs after its set-up check (step 1 runs the
+    script itself), ``python -m rdrop_fairseq.recipes.libreoffice_demo``, started warm as
+    fairseq's tools are (tests/warm_process.py): what is about real processes (Ctrl-C, no
+    training left running) is step 1's, which runs them as a user's run does."""
+    cmd = [sys.executable, "-m", "rdrop_fairseq.recipes.libreoffice_demo", *SETTINGS,
+           "--out", str(out), *extra]
+    demo_env = {**env(tmp_path), "FAIRSEQ_BIN": fairseq_bin(), "OMP_NUM_THREADS": "1",
+                "MKL_NUM_THREADS": "1"}
+    assert forks_warm(cmd, demo_env)
+    proc = run_command(cmd, REPO, demo_env, 600)
     proc.output = proc.stdout + proc.stderr
     return proc
 
@@ -94,8 +101,9 @@ def test_demo_stops_reruns_continues_and_starts_over(tmp_path):
     first = demo(tmp_path, out, *RUNS)
     assert first.returncode == 0, first.output[-4000:]
     assert "[demo] reusing the prepared data" in first.stdout
-    # setup.sh installs tensorboardX; each fairseq command imports fairseq itself, warm or
-    # not, so a missing one would show here (tests/test_warm_process.py has the control)
+    # setup.sh installs tensorboardX; each fairseq command's import of fairseq would say
+    # so if it were missing, warm (which repeats what the import logged) or not
+    # (tests/test_warm_process.py has the control)
     assert "Please install tensorboardX" not in first.output
     assert "not a measurement" in first.stdout.split("| R-Drop |")[1]  # said after the table
     assert "[R-Drop s2] epoch 1: valid BLEU" in first.stdout  # progress is streamed
