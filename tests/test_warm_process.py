@@ -336,7 +336,8 @@ def test_python_m_of_this_repositorys_modules_runs_warm_as_a_real_one(tmp_path, 
     # fairseq's import (set aside in the server, put back by the command's ``import
     # fairseq``) as in the real process: fairseq's first basicConfig set up the root logger
     assert real_seen["fairseq"][:2] == [True, False] and real_seen["fairseq"][-1] is True
-    assert real_seen["root"] == [logging.DEBUG, [["StreamHandler", "%(levelname)s:%(name)s:%(message)s"]]]
+    assert real_seen["root"] == [logging.DEBUG,
+                                 [["StreamHandler", "%(levelname)s:%(name)s:%(message)s"]]]
     assert real_seen["cache"] == str(tmp_path / "cache" / "torch" / "pytorch_fairseq")
     assert "label_smoothed_cross_entropy_rdrop" in real_seen["rdrop_criteria"]
 

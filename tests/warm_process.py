@@ -44,8 +44,8 @@ of fairseq's import excepted, above), and state that fairseq's import leaves in 
 (hydra's config store) is the server's import's, then the command's; the warnings fairseq's
 import raises (none shown under Python's default filters; PYTHONWARNINGS makes a command
 real) and the modules of fairseq's package in ``sys.modules`` after ``import fairseq`` are
-the server's import's, whatever the command imported before it; the locale (LANG, LC_*: the standard streams' and ``open``'s default
-encoding) and TZ are the server's; ``multiprocessing.current_process()`` is a forked
+the server's import's; the locale (LANG, LC_*: the standard streams' and ``open``'s
+default encoding) and TZ are the server's; ``multiprocessing.current_process()`` is a forked
 process, not "MainProcess"; the command is a child of the server, not of its caller (see
 ``fairseq_bin``); a module run as ``python -m`` (``RUN_MODULE``: this repository's,
 ``rdrop_fairseq.*`` and ``experiments.*``) has the python stand-in as ``sys.executable``.
