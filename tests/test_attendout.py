@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from fairseq import options, tasks
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq import tasks
 from fairseq.modules.transformer_layer import TransformerEncoderLayer
 from omegaconf import OmegaConf
 
@@ -34,6 +33,7 @@ from rdrop_fairseq.models.attendout_layers import (
 )
 from rdrop_fairseq.recipes import export_attendout
 from rdrop_fairseq.tasks.sentence_prediction_attendout import fp32_master_views
+from tests.fairseq_config import training_config
 from tests.warm_process import run_command
 
 BIN = Path(sys.executable).parent
@@ -97,11 +97,10 @@ def regression_data(tmp_path_factory):
 
 def build(data, *extra, criterion="sentence_prediction", arch="roberta_attendout"):
     """(task, model, criterion) built as fairseq-train builds them."""
-    args = options.parse_args_and_arch(options.get_training_parser(), [
+    _, cfg = training_config([
         str(data), "--user-dir", USER_DIR, "--task", "sentence_prediction_attendout",
         "--arch", arch, *TINY, "--criterion", criterion, "--num-classes", "2", "--cpu",
         "--optimizer", "adam", "--lr", "1e-3", *extra])
-    cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)
     torch.manual_seed(0)
     model = task.build_model(cfg.model)

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq import options
 from fairseq.criterions.adaptive_loss import AdaptiveLoss
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
@@ -29,7 +28,6 @@ from fairseq.criterions.sentence_prediction import (
 )
 from fairseq.data import Dictionary
 from fairseq.data.data_utils import collate_tokens
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.logging import metrics
 from fairseq.tasks.language_modeling import LanguageModelingTask
 from fairseq.tasks.sentence_prediction import SentencePredictionTask
@@ -49,6 +47,7 @@ from rdrop_fairseq.criterions.label_smoothed_cross_entropy_rdrop import (
 )
 from rdrop_fairseq.criterions.sentence_prediction_rdrop import SentencePredictionRDropConfig
 from rdrop_fairseq.opcount import LiveBytes
+from tests.fairseq_config import training_config
 
 VOCAB = 40
 HEAD = "sentence_classification_head"
@@ -62,10 +61,7 @@ def make_dictionary(n=VOCAB):
 
 
 def parse(argv):
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(
-        parser, ["/dev/null", "--cpu", "--optimizer", "adam", "--lr", "1e-3", *argv])
-    return args, convert_namespace_to_omegaconf(args)
+    return training_config(["/dev/null", "--cpu", "--optimizer", "adam", "--lr", "1e-3", *argv])
 
 
 def lengths_batch(gen, n, lo, hi):
