@@ -6,7 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.warm_process import fairseq_bin, run_command
+from tests.warm_process import fairseq_bin, machine_env, run_command
 
 REPO = Path(__file__).resolve().parents[1]
 DEAD_PROXY = "http://127.0.0.1:9"  # refuses every connection: a download fails at once
@@ -34,8 +34,9 @@ def run(cmd, ok=True, env=None):
     path = os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])
     # no GPU unless env says so: the scripts would find one (nvidia-smi) and train in fp16,
     # the evaluation modules would move their models to it
-    full_env = {"PATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                "MKL_NUM_THREADS": "1", "HOME": "/tmp", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = {**machine_env(), "PATH": path, "OMP_NUM_THREADS": "1",
+                "CUDA_VISIBLE_DEVICES": "", "MKL_NUM_THREADS": "1", "HOME": "/tmp",
+                "PYTHONUNBUFFERED": "1", **(env or {})}
     if full_env.get("DRY_RUN") != "1" and "FAIRSEQ_BIN" not in full_env:
         full_env["FAIRSEQ_BIN"] = fairseq_bin()
         if not (env or {}).get("PATH"):  # the scripts' python3 -m of our modules, warm too

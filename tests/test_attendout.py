@@ -34,7 +34,7 @@ from rdrop_fairseq.models.attendout_layers import (
 from rdrop_fairseq.recipes import export_attendout
 from rdrop_fairseq.tasks.sentence_prediction_attendout import fp32_master_views
 from tests.fairseq_config import training_config
-from tests.warm_process import run_command
+from tests.warm_process import machine_env, run_command
 
 BIN = Path(sys.executable).parent
 USER_DIR = str(Path(rdrop_fairseq.__file__).parent)
@@ -63,7 +63,7 @@ def preprocess(raw, dest, regression=False):
         proc = run_command([BIN / "fairseq-preprocess", "--only-source", "--trainpref",
                             raw / f"train.{kind}", "--validpref", raw / f"valid.{kind}",
                             "--destdir", dest / kind, "--workers", "1"],
-                           raw, {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp"}, 300)
+                           raw, {**machine_env(), "PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp"}, 300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     if regression:
         (dest / "label").mkdir()
@@ -935,8 +935,8 @@ def train_cmd(data, save_dir, *extra, max_update=8):
 
 def run(cmd, cwd):
     """A fairseq tool (started warm: tests/warm_process.py) that must succeed; its output."""
-    proc = run_command(cmd, cwd, {"PATH": f"{BIN}:/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-                                  "HOME": "/tmp"}, 300)
+    proc = run_command(cmd, cwd, {**machine_env(), "PATH": f"{BIN}:/usr/bin:/bin",
+                                  "OMP_NUM_THREADS": "1", "HOME": "/tmp"}, 300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 

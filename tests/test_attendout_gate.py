@@ -32,6 +32,7 @@ from tests.test_attendout import (  # noqa: F401  (data is a fixture)
     sharpen,
     train_cmd,
 )
+from tests.warm_process import machine_env
 
 # --------------------------------------------------------------------------- the gate
 
@@ -334,7 +335,7 @@ def test_bad_attendout_options_leave_nothing_behind(data, tmp_path, flags, messa
     save directory or a log is made."""
     cmd = train_cmd(data, tmp_path / "ckpt", *flags)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                          env={"PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp"})
+                          env={**machine_env(), "PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp"})
     assert proc.returncode != 0
     assert message in proc.stderr
     assert list(tmp_path.iterdir()) == []  # no save dir, no log

@@ -27,7 +27,7 @@ import torch
 from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
 from rdrop_fairseq.recipes.libreoffice_demo import Cores
 from tests.recipe_helpers import terminal_sigint
-from tests.warm_process import fairseq_bin, forks_warm, run_command
+from tests.warm_process import fairseq_bin, forks_warm, machine_env, run_command
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ["--quick", "--epochs", "2", "--train-pairs", "200", "--eval-pairs", "20",
@@ -37,7 +37,8 @@ RUNS = ["--runs", "baseline", "R-Drop"]  # the reruns' (step 1 plans the default
 
 
 def env(tmp_path):
-    return {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
+    return {**machine_env(),
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"]),
             "HOME": str(tmp_path)}
 
 

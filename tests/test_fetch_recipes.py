@@ -19,7 +19,7 @@ import pytest
 from rdrop_fairseq.recipes import fetch as fetch_mod
 from rdrop_fairseq.recipes import prepare_glue
 from tests.test_fetch import NO_PROXY, Route, Server
-from tests.warm_process import fairseq_bin, run_command
+from tests.warm_process import fairseq_bin, machine_env, run_command
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the a house garden river city old new runs sleeps music road green small".split()
@@ -55,7 +55,7 @@ def script(cwd, name, *args, ok=True, **env):
     the recipes' ``python3 -m`` warm (tests/warm_process.py; not in a dry run)."""
     warm = [] if env.get("DRY_RUN") else [fairseq_bin()]
     path = os.pathsep.join([*warm, str(Path(sys.executable).parent), "/usr/bin", "/bin"])
-    full_env = {"PATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    full_env = {**machine_env(), "PATH": path, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "CUDA_VISIBLE_DEVICES": "", "HOME": "/tmp", "PYTHONUNBUFFERED": "1",
                 "GPUS": "0", "FAIRSEQ_BIN": fairseq_bin(), **NO_PROXY,
                 **{k: str(v) for k, v in env.items()}}

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
 from rdrop_fairseq.opcount import count_ops
 from tests.test_cli import check_ok, run, tool, translation_data, user_dir  # noqa: F401
+from tests.warm_process import machine_env
 
 B, T, D, V, PAD = 3, 7, 16, 97, 1
 
@@ -554,8 +555,8 @@ def test_precision_script_compares_both_paths_against_float64():
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "benchmarks/fused_linear_precision.py", "--cases",
                            "256x20000x16"], cwd=repo, capture_output=True, text=True,
-                          timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-                                            "PYTHONPATH": str(repo)})
+                          timeout=300, env={**machine_env(), "PATH": "/usr/bin:/bin",
+                                            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
     for line in proc.stdout.splitlines()[1:]:

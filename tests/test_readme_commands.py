@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.warm_process import fairseq_bin
+from tests.warm_process import fairseq_bin, machine_env
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -26,7 +26,8 @@ WORDS = ["haus", "baum", "katze", "hund", "auto", "buch", "tisch", "stuhl", "gar
 def bash(command, cwd):
     # fairseq's tools, called by name, start warm (tests/warm_process.py); the README's
     # `python -c` runs the real interpreter (the python stand-in execs it)
-    env = {"PATH": os.pathsep.join([fairseq_bin(), str(Path(sys.executable).parent),
+    env = {**machine_env(),
+           "PATH": os.pathsep.join([fairseq_bin(), str(Path(sys.executable).parent),
                                     "/usr/bin", "/bin"]),
            "HOME": str(cwd), "OMP_NUM_THREADS": "1",
            "USER_DIR": str(REPO / "rdrop_fairseq")}  # what `python -m rdrop_fairseq` prints

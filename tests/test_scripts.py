@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.warm_process import fairseq_bin
+from tests.warm_process import fairseq_bin, machine_env
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def test_prepare_translation_tokenises_cleans_bpe_and_binarizes(tmp_path):
         [sys.executable, "-m", "rdrop_fairseq.recipes.prepare_translation", "--raw", raw,
          "--out", out, "--bpe-merges", "20", "--lowercase"],
         capture_output=True, text=True, timeout=300,
-        env={"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
+        env={**machine_env(), "PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
              "FAIRSEQ_BIN": fairseq_bin()},  # fairseq-preprocess starts warm
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -14,7 +14,7 @@ from sacremoses import MosesTokenizer
 from experiments.toy_data import write_corpus
 from rdrop_fairseq.recipes.evaluate_translation import decoding_for, metric_for, score
 from tests.recipe_helpers import script
-from tests.warm_process import fairseq_bin
+from tests.warm_process import fairseq_bin, machine_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,8 +24,8 @@ TINY_MODEL = [f"model.{side}_{k}={v}" for side in ("encoder", "decoder")
 
 
 def run(cmd, **kw):
-    env = {"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1", "HOME": "/tmp",
-           "FAIRSEQ_BIN": fairseq_bin()}  # fairseq's tools start warm
+    env = {**machine_env(), "PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
+           "HOME": "/tmp", "FAIRSEQ_BIN": fairseq_bin()}  # fairseq's tools start warm
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600,
                           env=env, **kw)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -367,7 +367,8 @@ def test_prepare_wmt14_says_which_archive_is_missing(tmp_path):
     named with the command that fetches it."""
     proc = subprocess.run([sys.executable, "-m", "rdrop_fairseq.recipes.prepare_wmt14", "--orig",
                            tmp_path, "--out", tmp_path / "out"], capture_output=True, text=True,
-                          env={"PATH": str(Path(sys.executable).parent)}, timeout=120)
+                          env={**machine_env(), "PATH": str(Path(sys.executable).parent)},
+                          timeout=120)
     assert proc.returncode != 0
     assert f"{tmp_path} lacks training-parallel-europarl-v7.tgz" in proc.stderr, proc.stderr
     assert f"fetch --dir {tmp_path} wmt13-europarl-v7 " in proc.stderr

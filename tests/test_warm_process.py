@@ -122,10 +122,37 @@ def test_which_environments_a_forked_command_can_take():
     assert warm_process.not_warm_because({**same, "MKL_NUM_THREADS": "4"}, server)
     no_threads = {k: v for k, v in same.items() if k != "OMP_NUM_THREADS"}
     assert warm_process.not_warm_because(no_threads, server)  # a real one would use all cores
+    # read by torch at its first operator, by oneDNN at its first use, and by triton when
+    # it is imported (triton_kernel.py refuses a kernel built under another setting)
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "TRITON_INTERPRET"):
+        assert name in warm_process.not_warm_because({**same, name: "1"}, server)
     path, entries = warm_process.fresh_sys_path("/venv/bin/tool", "/work",
                                                 {"PYTHONPATH": "rel::/abs"}, ["/lib", "/abs"])
     assert path == ["/venv/bin", "/work/rel", "/work", "/abs", "/lib"]
     assert entries == ["/work/rel", "/work", "/abs"]
+
+
+def test_an_environment_a_test_makes_keeps_what_the_machine_sets_for_every_process():
+    """Where the suite runs with variables that every process reads at its start (a CI
+    machine's ISA cap, hash seed, loader path, thread count), a command's own environment
+    made as the tests make them ({**machine_env(), "PATH": ...}) still forks warm, and runs
+    with them as a user's process there would; without them it would not fork warm (nor
+    run as there). The test's PYTHONPATH, and what no interpreter reads at its start
+    (DATA_DIR, PYTHON), are not the suite's to give."""
+    suite = {"PATH": "/usr/bin:/bin", "HOME": "/root", "DATA_DIR": "/data", "PYTHON": "/py",
+             "PYTHONPATH": "/elsewhere", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+             "LD_LIBRARY_PATH": "/opt/lib", "MALLOC_ARENA_MAX": "2"}
+    kept = warm_process.machine_env(suite)
+    assert kept == {k: suite[k] for k in ("PYTHONHASHSEED", "OMP_NUM_THREADS",
+                                          "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY",
+                                          "LD_LIBRARY_PATH", "MALLOC_ARENA_MAX")}
+    own = {"PATH": "/venv/bin:/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": "/repo"}
+    assert warm_process.not_warm_because({**kept, **own}, suite) is None
+    assert warm_process.not_warm_because(own, suite) is not None
+    # and the variables of this suite's own run
+    assert warm_process.not_warm_because({**warm_process.machine_env(), **own},
+                                         dict(os.environ)) is None
 
 
 def test_another_fairseq_first_on_the_path_is_the_one_a_warm_command_imports(

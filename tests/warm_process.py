@@ -112,9 +112,12 @@ _bin = None
 # environment variables read while the interpreter starts or torch loads: a command whose
 # value differs from the server's runs as a real process, except for those in _APPLIED
 # (not KMP_*: Intel's OpenMP, which torch's Linux builds do not load; scikit-learn sets
-# KMP_DUPLICATE_LIB_OK while being imported, in the server and in a test worker alike)
+# KMP_DUPLICATE_LIB_OK while being imported, in the server and in a test worker alike).
+# ATEN_CPU_CAPABILITY is read at torch's first operator, oneDNN's ISA cap at its first
+# use, TRITON_INTERPRET when triton is imported (the server imports it with torch._dynamo)
 _READ_AT_START = ("PYTHON", "OMP_", "MKL_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_",
-                  "MALLOC_", "LD_PRELOAD", "LD_LIBRARY_PATH")
+                  "ATEN_", "ONEDNN_", "DNNL_", "TRITON_", "MALLOC_", "LD_PRELOAD",
+                  "LD_LIBRARY_PATH")
 _APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS",
             "MKL_NUM_THREADS"}
 # no interpreter reads a variable named PYTHON alone (the recipe scripts' interpreter, set by
@@ -164,6 +167,22 @@ def forks_warm(cmd, env):
     library the server loaded)."""
     _warm_context()
     return warm_module(cmd) is not None and not_warm_because(env, _server_env) is None
+
+
+def machine_env(environ=None):
+    """What an environment a test makes for a command keeps of the suite's own (``environ``,
+    default os.environ): the variables that a new interpreter, the loader, the C library or
+    torch read as they start (LD_LIBRARY_PATH, MALLOC_*, MKL_ENABLE_INSTRUCTIONS,
+    OMP_NUM_THREADS, PYTHONHASHSEED, ...), but not PYTHONPATH nor those no interpreter
+    reads at start. Tests give their commands environments of their own ({"PATH": ...,
+    "HOME": ...}), so that nothing of the caller's (a DATA_DIR, a GPUS) reaches them; what a
+    machine sets for every process must, or the command would run differently from a user's
+    there, and not warm (the warm server has those variables: not_warm_because). Put it
+    first: a variable the test sets wins."""
+    environ = os.environ if environ is None else environ
+    return {name: value for name, value in environ.items()
+            if name.startswith(_READ_AT_START)
+            and name not in _NOT_READ_AT_START | {"PYTHONPATH"}}
 
 
 def not_warm_because(env, server_env):

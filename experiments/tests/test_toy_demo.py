@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.warm_process import fairseq_bin
+from tests.warm_process import fairseq_bin, machine_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ def test_toy_demo_trains_generates_and_prints_the_table(tmp_path):
          "--max-update", "4", "--train-pairs", "400", "--eval-pairs", "20", "--with-baseline",
          "--max-len-b", "20"],  # toy targets have 3-12 tokens
         capture_output=True, text=True, timeout=600,
-        env={"PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
+        env={**machine_env(), "PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
              "FAIRSEQ_BIN": fairseq_bin()},  # fairseq's tools start warm
         cwd=REPO,
     )
