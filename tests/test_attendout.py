@@ -63,7 +63,8 @@ def preprocess(raw, dest, regression=False):
         proc = run_command([BIN / "fairseq-preprocess", "--only-source", "--trainpref",
                             raw / f"train.{kind}", "--validpref", raw / f"valid.{kind}",
                             "--destdir", dest / kind, "--workers", "1"],
-                           raw, {**machine_env(), "PATH": f"{BIN}:/usr/bin:/bin", "HOME": "/tmp"}, 300)
+                           raw, {**machine_env(), "PATH": f"{BIN}:/usr/bin:/bin",
+                                 "HOME": "/tmp"}, 300)
         assert proc.returncode == 0, proc.stderr[-3000:]
     if regression:
         (dest / "label").mkdir()
