@@ -22,6 +22,7 @@ same. docs/design.md has the derivation and the memory accounting.
 
 import math
 import os
+import warnings
 from collections import namedtuple
 from collections.abc import Mapping
 
@@ -55,6 +56,11 @@ _FP16_TARGET_MAX = 2.0 ** 14
 # written into such scores (grad_in_scores="auto"). Anything else keeps a buffer of its own.
 _OUTPUT_NOT_SAVED = ("MmBackward0", "AddmmBackward0", "BmmBackward0")
 _VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
+
+# Devices (e.g. "cuda:0") on which impl="auto" gave up the Triton kernel, and why: triton
+# is not installed, or the kernel failed to compile or launch there (Triton's support starts
+# at compute capability 8.0; a V100 is 7.0). The torch implementation computes the same loss.
+_TRITON_GIVEN_UP = {}
 
 # Values in ``net_input`` that configure the forward pass rather than carry examples.
 _PASSTHROUGH_TYPES = (type(None), bool, int, float, str)
@@ -136,7 +142,9 @@ def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None
         chunk_mb: bound on one chunk's float32 temporaries in the torch implementation, in
             MiB; 0 = automatic (:data:`AUTO_CHUNK_MB`).
         impl: ``"torch"``, ``"triton"`` (CUDA tensors, or CPU tensors under
-            ``TRITON_INTERPRET=1``) or ``"auto"`` (triton on CUDA when importable).
+            ``TRITON_INTERPRET=1``) or ``"auto"`` (triton on CUDA when importable; where
+            it is not, or the kernel fails on that GPU, a warning, once per device, and
+            the torch implementation from then on).
         grad_in_scores: write the gradient into the buffer of ``scores`` (overwriting
             them: the caller must not read them afterwards) instead of a buffer of its
             own. ``"auto"``: only where that is safe, i.e. ``scores`` come (through views)
@@ -166,20 +174,21 @@ def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None
     if pairs.stride(-1) != 1:
         pairs = pairs.contiguous()
     kept = _kept_rows(target, ignore_index, keep, n, pairs)
-    impl = _resolve_impl(impl, scores)
-    if target is not None:
-        target = _target_ids(target, kept, impl)
-    chunk_rows = chunk_rows_for(vocab, scores, chunk_mb) if impl == "torch" else 0
     into_scores = _grad_into_scores(grad_in_scores, scores, pairs)
     if not torch.is_grad_enabled():  # needs_input_grad follows requires_grad, not no_grad
         pairs = pairs.detach()
-    # fairseq's --amp calls the criterion under autocast, which would run sums in fp16
-    with torch.autocast(scores.device.type, enabled=False):
-        total, loss, nll, kl = _FusedRDrop.apply(
-            pairs, target, kept, alpha, float(epsilon), bool(log_probs), impl, chunk_rows,
-            into_scores,
-        )
-    return RDropLoss(total, loss, nll, kl)
+
+    def run(impl):
+        ids = _target_ids(target, kept, impl) if target is not None else None
+        chunk_rows = chunk_rows_for(vocab, scores, chunk_mb) if impl == "torch" else 0
+        # fairseq's --amp calls the criterion under autocast, which would run sums in fp16
+        with torch.autocast(scores.device.type, enabled=False):
+            return RDropLoss(*_FusedRDrop.apply(
+                pairs, ids, kept, alpha, float(epsilon), bool(log_probs), impl, chunk_rows,
+                into_scores,
+            ))
+
+    return _run_with_fallback(impl, scores, run)
 
 
 def symmetric_kl(scores, keep=None, log_probs=True, **kwargs):
@@ -285,17 +294,56 @@ def _grad_into_scores(grad_in_scores, scores, pairs):
     return type(fn).__name__ in _OUTPUT_NOT_SAVED
 
 
+def _kernel_device(tensor):
+    """Whether impl="auto" would run the Triton kernel on ``tensor``: CUDA, not float64."""
+    return tensor.is_cuda and tensor.dtype != torch.float64
+
+
+def _give_up_triton(device, reason):
+    """impl="auto" uses the torch implementation on ``device`` from now on; says so once."""
+    if device not in _TRITON_GIVEN_UP:
+        _TRITON_GIVEN_UP[device] = reason
+        warnings.warn(f"R-Drop: impl='auto' uses the torch implementation on {device} instead "
+                      f"of the Triton kernel from now on ({reason}); it computes the same "
+                      "loss, with more kernel launches", RuntimeWarning, stacklevel=2)
+
+
+def _run_with_fallback(impl, tensor, run):
+    """``run(impl)`` with ``impl`` resolved for ``tensor``; where ``"auto"`` chose the
+    Triton kernel and it fails on this device (it does not compile there, or triton
+    breaks), warns once and runs (then and from then on) the torch implementation. An
+    explicit ``impl="triton"`` raises instead, as do out-of-memory errors and our own
+    checks (ValueError)."""
+    resolved = _resolve_impl(impl, tensor)
+    if impl != "auto" or resolved != "triton":
+        return run(resolved)
+    try:
+        return run("triton")
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 - Triton's compile errors have no common base
+        if not (isinstance(error, RuntimeError)
+                or type(error).__module__.split(".")[0] == "triton"):
+            raise
+        _give_up_triton(str(tensor.device),
+                        f"its Triton kernel failed: {type(error).__name__}: {error}")
+    return run("torch")
+
+
 def _resolve_impl(impl, scores):
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl == "torch":
         return impl
     if impl == "auto":
-        if not scores.is_cuda or scores.dtype == torch.float64:
+        if not _kernel_device(scores) or str(scores.device) in _TRITON_GIVEN_UP:
             return "torch"
         from .triton_kernel import triton_available
 
-        return "triton" if triton_available() else "torch"
+        if not triton_available():
+            _give_up_triton(str(scores.device), "triton is not installed: pip install triton")
+            return "torch"
+        return "triton"
     from .triton_kernel import triton_available
 
     if not triton_available():

@@ -42,7 +42,7 @@ from .core import (
     _coefficients,
     _compute_dtype,
     _kept_rows,
-    _resolve_impl,
+    _run_with_fallback,
     _rows_torch,
     _target_ids,
     check_alpha_epsilon,
@@ -100,17 +100,18 @@ def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, e
         raise ValueError(f"weight must be (V, {features.size(-1)}), got {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.size(0),):
         raise ValueError(f"bias must be ({weight.size(0)},), got {tuple(bias.shape)}")
-    impl = _resolve_impl(impl, features)
     pairs = features.reshape(2, -1, features.size(-1))
     n, vocab = pairs.size(1), weight.size(0)
     kept = _kept_rows(target, ignore_index, keep, n, pairs)
-    target = _target_ids(target, kept, impl)
-    rows = chunk_pairs(vocab, features, chunk_mb, impl)
-    with torch.autocast(features.device.type, enabled=False):
-        total, loss, nll, kl = _FusedLinearRDrop.apply(
-            pairs, weight, bias, target, kept, alpha, float(epsilon), rows, predictions,
-            torch.is_grad_enabled(), impl)
-    return RDropLoss(total, loss, nll, kl)
+
+    def run(impl):
+        rows = chunk_pairs(vocab, features, chunk_mb, impl)
+        with torch.autocast(features.device.type, enabled=False):
+            return RDropLoss(*_FusedLinearRDrop.apply(
+                pairs, weight, bias, _target_ids(target, kept, impl), kept, alpha,
+                float(epsilon), rows, predictions, torch.is_grad_enabled(), impl))
+
+    return _run_with_fallback(impl, features, run)
 
 
 def chunk_pairs(vocab, features, chunk_mb=0.0, impl="torch"):

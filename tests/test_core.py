@@ -16,6 +16,7 @@ implementation uses):
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -618,6 +619,105 @@ def test_triton_impl_on_cpu_says_what_to_do(monkeypatch):
     # auto picks the torch implementation on CPU
     close(rdrop_loss(scores, target, alpha=1.0, impl="auto").total,
           reference(scores, target, 1.0)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def auto_takes_cpu_for_cuda(monkeypatch):
+    """impl="auto" decides for CPU tensors as for CUDA ones (the kernel would be its choice),
+    with no device given up yet, and triton importable."""
+    from rdrop_fairseq import core, triton_kernel
+
+    monkeypatch.setattr(core, "_kernel_device", lambda tensor: tensor.dtype != torch.float64)
+    monkeypatch.setattr(core, "_TRITON_GIVEN_UP", {})
+    monkeypatch.setattr(triton_kernel, "triton_available", lambda: True)
+    return triton_kernel
+
+
+def kernel_failing_with(error, calls):
+    def launch(*args, **kwargs):
+        calls.append(kwargs.get("from_logits"))
+        raise error
+    return launch
+
+
+def fused_linear_call(impl):
+    from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
+    from tests.test_fused_linear import inputs
+
+    features, weight, bias, target = inputs(seed=3)
+    out = fused_linear_rdrop_loss(features, weight, target, bias=bias, alpha=1.0,
+                                  epsilon=0.1, ignore_index=1, impl=impl)
+    grads = torch.autograd.grad(out.total, [features, weight, bias])
+    return [out.total, out.kl, *grads]
+
+
+def logits_call(impl):
+    scores, target = make_batch(3, 11, seed=95, n_pad=1, dtype=torch.float32)
+    scores.requires_grad_()
+    out = rdrop_loss(scores, target, alpha=1.0, epsilon=0.1, ignore_index=PAD, impl=impl)
+    return [out.total, out.kl, *torch.autograd.grad(out.total, [scores])]
+
+
+@pytest.mark.parametrize("call", [logits_call, fused_linear_call], ids=["logits", "fused-linear"])
+def test_auto_falls_back_to_torch_once_where_the_kernel_fails(auto_takes_cpu_for_cuda,
+                                                              monkeypatch, call):
+    """Where the Triton kernel does not compile on the GPU (Triton's support starts at
+    compute capability 8.0), impl="auto" says so in one warning and gives the torch
+    implementation's loss and gradients, then and for the rest of the process on that
+    device, without trying the kernel again; impl="triton", asked for by name, raises."""
+    calls = []
+    error = RuntimeError("PTX .version 8.4 does not support .target sm_70")
+    monkeypatch.setattr(auto_takes_cpu_for_cuda, "rdrop_rows_triton",
+                        kernel_failing_with(error, calls))
+    expected = call("torch")
+    with pytest.warns(RuntimeWarning) as seen:
+        got = call("auto")
+    assert len(seen) == 1 and calls == [True], (seen, calls)
+    message = str(seen[0].message)
+    assert "impl='auto' uses the torch implementation on cpu" in message, message
+    assert "its Triton kernel failed: RuntimeError: PTX .version 8.4" in message, message
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = call("auto")
+    assert calls == [True] and all(torch.equal(a, b) for a, b in zip(again, expected))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # impl="triton" on CPU tensors: valid
+    with pytest.raises(RuntimeError, match="does not support .target sm_70"):
+        call("triton")
+
+
+@pytest.mark.parametrize("error", [ValueError("target must hold int64"),
+                                   torch.OutOfMemoryError("CUDA out of memory")],
+                         ids=["our-check", "out-of-memory"])
+def test_auto_does_not_hide_errors_that_the_torch_path_would_not_mend(auto_takes_cpu_for_cuda,
+                                                                      monkeypatch, error):
+    """A check of ours (ValueError) or an out-of-memory error is raised as it is: the torch
+    implementation would not do better, and a warning would hide it."""
+    calls = []
+    monkeypatch.setattr(auto_takes_cpu_for_cuda, "rdrop_rows_triton",
+                        kernel_failing_with(error, calls))
+    with pytest.raises(type(error), match=str(error)):
+        logits_call("auto")
+    assert calls == [True]
+
+
+def test_auto_without_triton_says_so_once_on_a_gpu_and_never_on_the_cpu(auto_takes_cpu_for_cuda,
+                                                                        monkeypatch):
+    from rdrop_fairseq import core
+
+    monkeypatch.setattr(auto_takes_cpu_for_cuda, "triton_available", lambda: False)
+    expected = logits_call("torch")
+    with pytest.warns(RuntimeWarning, match=r"on cpu .*\(triton is not installed: pip "
+                                            r"install triton\)") as seen:
+        got = logits_call("auto")
+    assert len(seen) == 1 and all(torch.equal(a, b) for a, b in zip(got, expected))
+    # on the CPU the torch implementation is what "auto" means: nothing to say
+    monkeypatch.setattr(core, "_kernel_device", lambda tensor: False)
+    monkeypatch.setattr(core, "_TRITON_GIVEN_UP", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logits_call("auto")
 
 
 # ------------------------------------------------------------- 8. duplicate_net_input

@@ -64,7 +64,8 @@ class RDropConfig(FairseqDataclass):
         metadata={
             "help": "fused R-Drop loss implementation: triton (one kernel per step; CUDA, "
             "needs the triton package), torch (chunked torch ops), or auto (triton on CUDA "
-            "when importable, else torch)"
+            "when importable, else torch; a GPU where the kernel fails gets torch and one "
+            "warning)"
         },
     )
     rdrop_fused_linear: bool = field(
