@@ -310,24 +310,22 @@ def _give_up_triton(device, reason):
 
 def _run_with_fallback(impl, tensor, run):
     """``run(impl)`` with ``impl`` resolved for ``tensor``; where ``"auto"`` chose the
-    Triton kernel and it fails on this device (it does not compile there, or triton
-    breaks), warns once and runs (then and from then on) the torch implementation. An
-    explicit ``impl="triton"`` raises instead, as do out-of-memory errors and our own
-    checks (ValueError)."""
+    Triton kernel and the kernel fails to compile or launch on this device
+    (:class:`~rdrop_fairseq.triton_kernel.TritonKernelError`, raised before it writes
+    anything), runs the torch implementation, then and from then on, with one warning.
+    Any other error is raised, and so is the kernel's with ``impl="triton"``."""
     resolved = _resolve_impl(impl, tensor)
     if impl != "auto" or resolved != "triton":
         return run(resolved)
+    from .triton_kernel import TritonKernelError
+
     try:
         return run("triton")
-    except torch.OutOfMemoryError:
-        raise
-    except Exception as error:  # noqa: BLE001 - Triton's compile errors have no common base
-        if not (isinstance(error, RuntimeError)
-                or type(error).__module__.split(".")[0] == "triton"):
-            raise
-        _give_up_triton(str(tensor.device),
-                        f"its Triton kernel failed: {type(error).__name__}: {error}")
-    return run("torch")
+    except TritonKernelError as error:
+        reason = f"its Triton kernel failed: {error}"
+    result = run("torch")
+    _give_up_triton(str(tensor.device), reason)
+    return result
 
 
 def _resolve_impl(impl, scores):

@@ -49,7 +49,7 @@ try:
 except ImportError:  # the torch path works without it
     triton = None
 
-__all__ = ["triton_available", "rdrop_rows_triton"]
+__all__ = ["triton_available", "rdrop_rows_triton", "TritonKernelError"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -65,9 +65,27 @@ MAX_BLOCK_V = 4096
 COLUMNS_PER_WARP = 256
 
 
+class TritonKernelError(RuntimeError):
+    """The kernel failed to compile or launch on this device (its cause chained): a GPU
+    below Triton's supported compute capability (8.0; a V100 is 7.0), a broken toolchain
+    or driver. impl="auto" falls back to the torch implementation on it."""
+
+
 def triton_available():
     """True if triton can be imported (the kernel may still need a GPU, see below)."""
     return triton is not None
+
+
+def _launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``; any failure but running out of memory becomes a
+    TritonKernelError: Triton's compile, ptxas, driver and build errors have no common base
+    (its own classes, AssertionError, CalledProcessError, ValueError, OSError)."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except Exception as error:
+        if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error):
+            raise
+        raise TritonKernelError(f"{type(error).__name__}: {error}") from error
 
 
 def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i, c1,
@@ -137,7 +155,8 @@ def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i
     num_warps = max(1, block_v // COLUMNS_PER_WARP)  # 1 to 16
     # Triton launches on the current device, which need not be that of the tensors
     with torch.cuda.device(scores.device) if scores.is_cuda else contextlib.nullcontext():
-        _rdrop_rows_kernel[(n,)](
+        _launch(
+            _rdrop_rows_kernel, (n,),
             scores, scores.stride(0), scores.stride(1), target, target.stride(0),
             keep.view(torch.uint8), keep.stride(0), g, g.stride(0), g.stride(1), stats,
             stats.stride(0), vocab, float(pcoef), float(h), float(eps_i), float(c1),

@@ -937,7 +937,8 @@ def train_cmd(data, save_dir, *extra, max_update=8):
 def run(cmd, cwd):
     """A fairseq tool (started warm: tests/warm_process.py) that must succeed; its output."""
     proc = run_command(cmd, cwd, {**machine_env(), "PATH": f"{BIN}:/usr/bin:/bin",
-                                  "OMP_NUM_THREADS": "1", "HOME": "/tmp"}, 300)
+                                  "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                  "HOME": "/tmp"}, 300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 

@@ -658,7 +658,22 @@ def logits_call(impl):
     return [out.total, out.kl, *torch.autograd.grad(out.total, [scores])]
 
 
-@pytest.mark.parametrize("call", [logits_call, fused_linear_call], ids=["logits", "fused-linear"])
+def projected_logits_call(impl):
+    """Logits from a projection, the gradient written into their buffer (as in fairseq)."""
+    from tests.test_fused_linear import inputs
+
+    features, weight, _, target = inputs(seed=4)
+    logits = features @ weight.t()
+    out = rdrop_loss(logits, target, alpha=1.0, epsilon=0.1, ignore_index=1, impl=impl,
+                     grad_in_scores="auto")
+    return [out.total, out.kl, *torch.autograd.grad(out.total, [features, weight])]
+
+
+CALLS = [logits_call, projected_logits_call, fused_linear_call]
+CALL_IDS = ["logits", "logits-gradient-in-place", "fused-linear"]
+
+
+@pytest.mark.parametrize("call", CALLS, ids=CALL_IDS)
 def test_auto_falls_back_to_torch_once_where_the_kernel_fails(auto_takes_cpu_for_cuda,
                                                               monkeypatch, call):
     """Where the Triton kernel does not compile on the GPU (Triton's support starts at
@@ -666,7 +681,8 @@ def test_auto_falls_back_to_torch_once_where_the_kernel_fails(auto_takes_cpu_for
     implementation's loss and gradients, then and for the rest of the process on that
     device, without trying the kernel again; impl="triton", asked for by name, raises."""
     calls = []
-    error = RuntimeError("PTX .version 8.4 does not support .target sm_70")
+    error = auto_takes_cpu_for_cuda.TritonKernelError(
+        "PTXASError: ptxas fatal : Value 'sm_70' is not defined for option 'gpu-name'")
     monkeypatch.setattr(auto_takes_cpu_for_cuda, "rdrop_rows_triton",
                         kernel_failing_with(error, calls))
     expected = call("torch")
@@ -675,7 +691,7 @@ def test_auto_falls_back_to_torch_once_where_the_kernel_fails(auto_takes_cpu_for
     assert len(seen) == 1 and calls == [True], (seen, calls)
     message = str(seen[0].message)
     assert "impl='auto' uses the torch implementation on cpu" in message, message
-    assert "its Triton kernel failed: RuntimeError: PTX .version 8.4" in message, message
+    assert "its Triton kernel failed: PTXASError: ptxas fatal" in message, message
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
     with warnings.catch_warnings():
@@ -683,23 +699,64 @@ def test_auto_falls_back_to_torch_once_where_the_kernel_fails(auto_takes_cpu_for
         again = call("auto")
     assert calls == [True] and all(torch.equal(a, b) for a, b in zip(again, expected))
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # impl="triton" on CPU tensors: valid
-    with pytest.raises(RuntimeError, match="does not support .target sm_70"):
+    with pytest.raises(auto_takes_cpu_for_cuda.TritonKernelError, match="sm_70"):
         call("triton")
 
 
-@pytest.mark.parametrize("error", [ValueError("target must hold int64"),
-                                   torch.OutOfMemoryError("CUDA out of memory")],
-                         ids=["our-check", "out-of-memory"])
-def test_auto_does_not_hide_errors_that_the_torch_path_would_not_mend(auto_takes_cpu_for_cuda,
-                                                                      monkeypatch, error):
-    """A check of ours (ValueError) or an out-of-memory error is raised as it is: the torch
-    implementation would not do better, and a warning would hide it."""
+@pytest.mark.parametrize("error", [
+    ValueError("target must hold int64"),
+    torch.cuda.OutOfMemoryError("CUDA out of memory"),
+    RuntimeError("Expected all tensors to be on the same device"),
+], ids=["our-check", "out-of-memory", "another-runtime-error"])
+def test_auto_does_not_hide_errors_that_are_not_the_kernels(auto_takes_cpu_for_cuda,
+                                                            monkeypatch, error):
+    """Only the kernel's own failure to compile or launch (TritonKernelError) makes "auto"
+    fall back: a check of ours, running out of memory or an error elsewhere is raised as it
+    is, with no warning, and the kernel stays in use."""
+    from rdrop_fairseq import core
+
     calls = []
     monkeypatch.setattr(auto_takes_cpu_for_cuda, "rdrop_rows_triton",
                         kernel_failing_with(error, calls))
-    with pytest.raises(type(error), match=str(error)):
-        logits_call("auto")
-    assert calls == [True]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(type(error), match=str(error)):
+            logits_call("auto")
+    assert calls == [True] and core._TRITON_GIVEN_UP == {}
+
+
+class PTXASError(Exception):
+    """Stands for triton's own exception classes (triton.runtime.errors)."""
+
+
+@pytest.mark.parametrize("error, kind", [
+    (PTXASError("ptxas fatal : Value 'sm_70' is not defined"), "PTXASError"),
+    (AssertionError("libcuda.so cannot found!"), "AssertionError"),
+    (subprocess.CalledProcessError(1, ["gcc", "cuda_utils.c"]), "CalledProcessError"),
+    (RuntimeError("Triton Error [CUDA]: invalid device function"), "RuntimeError"),
+], ids=["triton", "driver-assert", "build", "driver"])
+def test_a_failed_launch_is_a_triton_kernel_error_unless_memory_ran_out(error, kind):
+    """What the kernel's launch raises (compile, ptxas, driver and build errors of no common
+    base) becomes a TritonKernelError with the error chained; out of memory stays itself."""
+    from rdrop_fairseq import triton_kernel
+
+    class Kernel:  # kernel[grid](*args, **kwargs) raises
+        def __init__(self, error):
+            self.error = error
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise self.error
+            return launch
+
+    with pytest.raises(triton_kernel.TritonKernelError, match=f"^{kind}: ") as raised:
+        triton_kernel._launch(Kernel(error), (4,), 1, 2, BLOCK_V=8)
+    assert raised.value.__cause__ is error
+    for memory in (torch.cuda.OutOfMemoryError("CUDA out of memory"),
+                   RuntimeError("Triton Error [CUDA]: out of memory")):
+        with pytest.raises(type(memory)) as raised:
+            triton_kernel._launch(Kernel(memory), (4,), 1, 2, BLOCK_V=8)
+        assert raised.value is memory
 
 
 def test_auto_without_triton_says_so_once_on_a_gpu_and_never_on_the_cpu(auto_takes_cpu_for_cuda,

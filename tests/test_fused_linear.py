@@ -556,7 +556,8 @@ def test_precision_script_compares_both_paths_against_float64():
     proc = subprocess.run([sys.executable, "benchmarks/fused_linear_precision.py", "--cases",
                            "256x20000x16"], cwd=repo, capture_output=True, text=True,
                           timeout=300, env={**machine_env(), "PATH": "/usr/bin:/bin",
-                                            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)})
+                                            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                            "PYTHONPATH": str(repo)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
     for line in proc.stdout.splitlines()[1:]:

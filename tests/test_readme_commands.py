@@ -29,7 +29,7 @@ def bash(command, cwd):
     env = {**machine_env(),
            "PATH": os.pathsep.join([fairseq_bin(), str(Path(sys.executable).parent),
                                     "/usr/bin", "/bin"]),
-           "HOME": str(cwd), "OMP_NUM_THREADS": "1",
+           "HOME": str(cwd), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "USER_DIR": str(REPO / "rdrop_fairseq")}  # what `python -m rdrop_fairseq` prints
     proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)

@@ -31,7 +31,7 @@ def test_prepare_translation_tokenises_cleans_bpe_and_binarizes(tmp_path):
          "--out", out, "--bpe-merges", "20", "--lowercase"],
         capture_output=True, text=True, timeout=300,
         env={**machine_env(), "PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
-             "FAIRSEQ_BIN": fairseq_bin()},  # fairseq-preprocess starts warm
+             "MKL_NUM_THREADS": "1", "FAIRSEQ_BIN": fairseq_bin()},  # fairseq-preprocess starts warm
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     tok = (out / "tok" / "train.de").read_text().splitlines()

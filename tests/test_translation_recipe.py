@@ -25,7 +25,7 @@ TINY_MODEL = [f"model.{side}_{k}={v}" for side in ("encoder", "decoder")
 
 def run(cmd, **kw):
     env = {**machine_env(), "PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
-           "HOME": "/tmp", "FAIRSEQ_BIN": fairseq_bin()}  # fairseq's tools start warm
+           "MKL_NUM_THREADS": "1", "HOME": "/tmp", "FAIRSEQ_BIN": fairseq_bin()}  # fairseq's tools start warm
     proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600,
                           env=env, **kw)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -114,10 +114,11 @@ _bin = None
 # (not KMP_*: Intel's OpenMP, which torch's Linux builds do not load; scikit-learn sets
 # KMP_DUPLICATE_LIB_OK while being imported, in the server and in a test worker alike).
 # ATEN_CPU_CAPABILITY is read at torch's first operator, oneDNN's ISA cap at its first
-# use, TRITON_INTERPRET when triton is imported (the server imports it with torch._dynamo)
+# use, NPY_* when numpy is imported, TORCHDYNAMO_*/TORCHINDUCTOR_* and TRITON_INTERPRET
+# when torch._dynamo and triton are (the server imports them), GLIBC_TUNABLES by the loader
 _READ_AT_START = ("PYTHON", "OMP_", "MKL_", "GOMP_", "OPENBLAS_", "TORCH_", "PYTORCH_",
-                  "ATEN_", "ONEDNN_", "DNNL_", "TRITON_", "MALLOC_", "LD_PRELOAD",
-                  "LD_LIBRARY_PATH")
+                  "ATEN_", "ONEDNN_", "DNNL_", "NPY_", "TORCHDYNAMO_", "TORCHINDUCTOR_",
+                  "TRITON_", "MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD", "LD_LIBRARY_PATH")
 _APPLIED = {"PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "OMP_NUM_THREADS",
             "MKL_NUM_THREADS"}
 # no interpreter reads a variable named PYTHON alone (the recipe scripts' interpreter, set by

@@ -19,7 +19,7 @@ def test_toy_demo_trains_generates_and_prints_the_table(tmp_path):
          "--max-len-b", "20"],  # toy targets have 3-12 tokens
         capture_output=True, text=True, timeout=600,
         env={**machine_env(), "PATH": str(Path(sys.executable).parent), "OMP_NUM_THREADS": "1",
-             "FAIRSEQ_BIN": fairseq_bin()},  # fairseq's tools start warm
+             "MKL_NUM_THREADS": "1", "FAIRSEQ_BIN": fairseq_bin()},  # fairseq's tools start warm
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
