@@ -154,7 +154,10 @@ def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None
             makes autograd raise rather than return a wrong gradient. Default False.
 
     Returns :data:`RDropLoss` ``(total, loss, nll, kl)``, float32 (float64 for float64
-    scores) scalars, also under autocast (the whole computation runs outside it).
+    scores) scalars, also under autocast (the whole computation runs outside it). A class
+    that one pass rules out (-inf) and the other does not makes that row pair's KL +inf:
+    ``kl`` and ``total`` are +inf, and with ``alpha > 0`` that row pair's gradient is nan
+    (docs/design.md); a class both passes rule out adds nothing.
 
     Only ``total`` is differentiable, and only once: its backward scales, in place, the
     gradient computed during the forward (so a second backward through the same graph
@@ -180,7 +183,8 @@ def rdrop_loss(scores, target=None, *, alpha=0.0, epsilon=0.0, ignore_index=None
 
     def run(impl):
         ids = _target_ids(target, kept, impl) if target is not None else None
-        chunk_rows = chunk_rows_for(vocab, scores, chunk_mb) if impl == "torch" else 0
+        need_grad = torch.is_grad_enabled() and scores.requires_grad
+        chunk_rows = chunk_rows_for(vocab, scores, chunk_mb, need_grad) if impl == "torch" else 0
         # fairseq's --amp calls the criterion under autocast, which would run sums in fp16
         with torch.autocast(scores.device.type, enabled=False):
             return RDropLoss(*_FusedRDrop.apply(
@@ -207,20 +211,34 @@ def mse_consistency(predictions):
     return (y1 - y2).pow(2).sum()
 
 
-def chunk_rows_for(vocab, scores, chunk_mb=0.0):
+def chunk_rows_for(vocab, scores, chunk_mb=0.0, need_grad=True):
     """Row pairs per chunk of the torch implementation for a ``chunk_mb`` MiB budget.
 
     A chunk of ``r`` row pairs holds the log-probabilities of both passes (``2 r x V`` in
-    the compute dtype, float32 or float64) and, unless the scores are already in that
-    dtype (then they are kept in the gradient buffer), their probabilities too.
+    the compute dtype, float32 or float64) and their probabilities, which live in the
+    gradient's buffer where that has the compute dtype (scores in it, with ``need_grad``)
+    and take ``2 r x V`` more otherwise (fp16/bf16 scores, or no gradient: under
+    ``torch.no_grad``).
     """
+    chunk_mb = chunk_budget_mb(chunk_mb, scores)
+    in_place = need_grad and scores.dtype == _compute_dtype(scores)
+    return max(1, int(chunk_mb * 2**20) // chunk_bytes_per_pair(vocab, scores.dtype, in_place))
+
+
+def chunk_budget_mb(chunk_mb, tensor):
+    """``chunk_mb`` checked (finite, >= 0), or the automatic budget for ``tensor``'s device
+    where it is 0."""
     if not chunk_mb >= 0 or math.isinf(chunk_mb):
         raise ValueError(f"chunk_mb must be a finite number >= 0 (0 = automatic), got {chunk_mb}")
-    if chunk_mb == 0:
-        chunk_mb = AUTO_CHUNK_MB["cuda" if scores.is_cuda else "cpu"]
-    dtype = _compute_dtype(scores)
-    per_pair = (2 if scores.dtype == dtype else 4) * vocab * dtype.itemsize
-    return max(1, int(chunk_mb * 2**20) // per_pair)
+    return chunk_mb or AUTO_CHUNK_MB["cuda" if tensor.is_cuda else "cpu"]
+
+
+def chunk_bytes_per_pair(vocab, dtype, probs_in_place):
+    """Bytes of the torch implementation's temporaries per row pair of a chunk: the
+    log-probabilities, and the probabilities unless they live in a buffer of the caller's
+    (``probs_in_place``), each ``2 x V`` in the compute dtype of ``dtype``."""
+    compute = torch.promote_types(dtype, torch.float32)
+    return (2 if probs_in_place else 4) * vocab * compute.itemsize
 
 
 def check_alpha_epsilon(alpha, epsilon):
@@ -421,30 +439,41 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
       ``KL(pb||pa)``, and the factor that undoes the gradient's storage scale;
     * the gradient of ``c1 * nll + eps_i * smooth + h * (KL(pa||pb) + KL(pb||pa))``:
 
-        g_a = pa * (P + h (1 + d - Ka)) - h pb - eps_i - c1 [v = t]
-        g_b = pb * (P + h (1 - d - Kb)) - h pa - eps_i - c1 [v = t]
+        g_a = pa * (P + h + h (d - Ka)) - h pb - eps_i - c1 [v = t]
+        g_b = pb * (P + h - h (d + Kb)) - h pa - eps_i - c1 [v = t]
 
       with ``P = pcoef, Ka = KL(pa||pb), Kb = KL(pb||pa)`` from logits (the log_softmax
-      chain folded in) and ``P = Ka = Kb = 0`` from log-probabilities.
+      chain folded in) and ``P = Ka = Kb = 0`` from log-probabilities. ``d - Ka`` and
+      ``d + Kb`` are formed before anything scales them: where the logits are large,
+      ``d`` and the KL are large and nearly equal, and their difference is then exact
+      (Sterbenz), while ``h d`` and ``h Ka`` rounded separately would each carry a
+      rounding of their own size into the gradient.
 
     Every sum over V (the softmax's normaliser ``s``, ``sum la``, the KL row dots
-    ``sum pa d``) is a ``torch.sum`` over the last dimension, which adds pairwise (a
-    cascade on CPU, a tree on CUDA): its float32 error grows with log V, not with V as that
-    of a running sum (``log_softmax``'s normaliser on CPU, a BLAS dot product) does. From
-    logits, a chunk holds ``x - m`` (``m`` the row's max: exact for fp16/bf16 logits, one
-    rounding relative to ``x - m`` for float32), ``p = exp(x - m) / s``, and the
-    log-probabilities ``x - m - log s`` are never formed: ``log s`` is a per-row constant,
-    subtracted from the row's statistics after the loop, and it cancels in ``d - Ka``, so
-    the gradient never needs it. One exp per element, and per-row scalars in the compute
-    dtype (nothing in float64 for float32 scores).
+    ``sum pa d``, ``sum pb d``) is a ``torch.sum`` over the last dimension, which adds
+    pairwise (a cascade on CPU, a tree on CUDA): its float32 error grows with log V, not
+    with V as that of a running sum (``log_softmax``'s normaliser on CPU, a BLAS dot
+    product) does. From logits, a chunk holds ``x - m`` (``m`` the row's max: exact for
+    fp16/bf16 logits, one rounding relative to ``x - m`` for float32), ``p = exp(x - m) /
+    s``, and the log-probabilities ``x - m - log s`` are never formed: ``log s`` is a
+    per-row constant, subtracted from the row's statistics after the loop, and it cancels
+    in ``d - Ka`` and ``d + Kb``, so the gradient never needs it. One exp per element, and
+    per-row scalars in the compute dtype (nothing in float64 for float32 scores).
+
+    Classes ruled out (log-probability -inf): a class both passes rule out adds nothing;
+    a class contributes 0 to ``KL(p||q)`` wherever ``p`` is 0 (``0 log 0 = 0``), and +inf
+    where ``p > 0`` and ``q`` rules it out. A row pair whose KL is then not finite (+inf,
+    or nan from a nan input) has no gradient: with ``h > 0`` its two rows get nan, so
+    that the step is seen to fail; every other row is unaffected.
 
     Chunks of ``chunk_rows`` pairs; every op works on both passes at once where it can,
     because on a GPU each op is a kernel launch. Rows where ``kept`` (N,) is False get a
     gradient of 0 (their stats are left to the caller to mask). Without ``need_grad`` the
-    gradient is neither computed nor allocated (``grad`` is None); with ``out`` (which may
-    be ``pairs`` itself: a chunk is read before its gradient is written) it goes there.
-    A float16 gradient is scaled per row pair so that its largest entry is near
-    ``fp16_max`` (stats row 4 undoes it).
+    gradient is neither computed nor allocated (``grad`` is None). ``out`` is a ``(2, N,
+    V)`` buffer the chunks may overwrite (it may be ``pairs`` itself: a chunk is read
+    before it is written): the gradient goes there, or, without ``need_grad``, the
+    probabilities when it has the compute dtype. A float16 gradient is scaled per row
+    pair so that its largest entry is near ``fp16_max`` (stats row 4 undoes it).
     """
     dtype = _compute_dtype(pairs)
     n, vocab = pairs.size(1), pairs.size(2)
@@ -453,18 +482,20 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
     if need_grad:
         grad = out if out is not None else torch.empty(pairs.shape, dtype=pairs.dtype,
                                                        device=device)
-    # scores in the compute dtype (fp32 logits, say): the probabilities live in the
-    # gradient buffer until the gradient overwrites them, halving a chunk's temporaries
-    in_place = need_grad and pairs.dtype == dtype
+    # the probabilities live in a buffer of the compute dtype that the chunk overwrites
+    # anyway (the gradient's, or out) when there is one: half a chunk's temporaries
+    host = grad if need_grad else out
+    in_place = host is not None and host.dtype == dtype
     scale_fp16 = need_grad and pairs.dtype == torch.float16
     index = target.view(1, n, 1).expand(2, n, 1)
     # per-row results are written into buffers made up front, and a chunk's temporaries
-    # into chunk-sized ones made once: nothing is allocated in the loop
+    # into chunk-sized ones made once: nothing chunk-sized is allocated in the loop
     per_row = torch.empty((4, 2, n, 1), dtype=dtype, device=device)
     at_target, sums, dots, norms = per_row.unbind(0)
     rows = min(chunk_rows, n)
     work = torch.empty((2, rows, vocab), dtype=dtype, device=device)
     probs = None if in_place else torch.empty((2, rows, vocab), dtype=dtype, device=device)
+    row_base = torch.empty((rows, 1), dtype=dtype, device=device)  # a chunk's P + h, below
     # fp16: the factors that undo the gradient's scale, per row pair (1 elsewhere)
     inv_scale = torch.ones(n if scale_fp16 else 1, dtype=dtype, device=device)
     chunks = [pairs.split(chunk_rows, 1), index.split(chunk_rows, 1),
@@ -473,20 +504,23 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
     count = len(chunks[0])
     chunks.append(inv_scale.split(chunk_rows) if scale_fp16 else [None] * count)
     chunks.append(grad.split(chunk_rows, 1) if need_grad else [None] * count)
+    chunks.append(host.split(chunk_rows, 1) if in_place else [None] * count)
     # 0-dim operands, made on the device (a torch.tensor of a list would copy from the host)
     minus_eps, base, zero = (torch.full((), value, dtype=dtype, device=device)
                              for value in (-eps_i, pcoef + h, 0.0))
-    views = {}  # the chunk buffers' first r rows, and their halves, by r
-    for x, t, k, at, sm, dot, norm, inv, g in zip(*chunks):
+    kl_grad = need_grad and h != 0
+    views = {}  # the chunk buffers' first r rows, by r
+    for x, t, k, at, sm, dot, norm, inv, g, hosted in zip(*chunks):
         r = x.size(1)
         if r not in views:
             w = work if r == rows else work[:, :r]
             p = None if in_place else probs if r == rows else probs[:, :r]
-            views[r] = (w, *w.unbind(0), p, *(p.unbind(0) if p is not None else (None,) * 2))
-        lp, la, lb, p, pa, pb = views[r]
+            views[r] = (w, *w.unbind(0), row_base[:r], p)
+        lp, la, lb, base_r, p = views[r]
         if in_place:
-            p = g
-            pa, pb = g.unbind(0)
+            p = hosted
+        pa, pb = p.unbind(0)
+        ka, kb = dot.unbind(0)
         # from logits, lp holds x - m (m: the row's max), the log-probabilities but for
         # their per-row shift log s, which is added to the row's results after the loop
         if from_logits:
@@ -500,26 +534,39 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
         if from_logits:  # p = exp(x - m) / s
             torch.sum(p, -1, keepdim=True, out=norm)
             p.div_(norm)
-        neg_d = torch.sub(lb, la, out=lb)  # lb's storage now holds -d = lb - la
-        # a class both passes rule out (-inf - -inf = nan) adds nothing (p = q = 0 there); a
-        # nan input stays visible through p
-        neg_d.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
-        # the row dots (sum pa d, -sum pb d) = (Ka, Kb) but for log s (added after the
-        # loop): the products pa d, -pb d into lp's storage, then one pairwise sum
-        torch.addcmul(zero, pa, neg_d, value=-1, out=la)
-        lb.mul_(pb)
-        torch.sum(lp, -1, keepdim=True, out=dot)
+        d = la.sub_(lb)  # la's storage now holds d (but for log sa - log sb)
+        # the row dots sum pa d and sum pb d, their products in lb's storage, then one
+        # pairwise sum each. nansum: 0 log 0 = 0, so a class whose probability is 0 in
+        # the pass that weighs it adds nothing (0 * -inf, or -inf - -inf for a class both
+        # passes rule out, is nan); one that the other pass rules out adds +inf
+        torch.nansum(torch.mul(d, pa, out=lb), -1, keepdim=True, out=ka)
+        torch.nansum(torch.mul(d, pb, out=lb), -1, keepdim=True, out=kb)  # = -Kb but for log s
+        # a nan input (a diverged model) must not vanish from the KL as a 0 * inf would
+        dot.masked_fill_(torch.isnan(sm).any(0), math.nan)
         if g is None:
             continue
-        # the gradient, in lp's storage: g_a = h pa d + pa (P + h - h dot_a) - h pb - eps_i,
-        # g_b = -h pb d + pb (P + h - h dot_b) - h pa - eps_i (log s cancels in d - Ka)
-        torch.add(minus_eps, lp, alpha=h, out=lp)
-        if from_logits:
-            lp.addcmul_(p, torch.add(base, dot, alpha=-h))
+        # the gradient, in lp's storage (log s cancels in d - Ka and d + Kb)
+        if kl_grad:
+            # where d is not finite (a class ruled out), both passes' p are 0 in a row pair
+            # whose KLs are finite: any finite d serves there (the others get nan below)
+            d.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            # lp = (d - Ka, -(d + Kb)): each difference formed before h scales it
+            if from_logits:
+                torch.sub(kb, d, out=lb)
+                d.sub_(ka)
+            else:
+                torch.neg(d, out=lb)
+            # P + h, but nan for a row pair whose KL is not finite (0 * inf = nan), so
+            # that both its rows' gradients are nan
+            torch.sub(ka, kb, out=base_r)
+            torch.addcmul(base, base_r, zero, out=base_r)
+            torch.add(base_r, lp, alpha=h, out=lp)
+            torch.addcmul(minus_eps, lp, p, out=lp)
         else:
-            lp.add_(p, alpha=h)
-        la.sub_(pb, alpha=h)
-        lb.sub_(pa, alpha=h)
+            torch.add(minus_eps, p, alpha=pcoef + h, out=lp)
+        if h:  # - h pb, - h pa
+            la.sub_(pb, alpha=h)
+            lb.sub_(pa, alpha=h)
         if c1:
             lp.scatter_(-1, t, -c1, reduce="add")
         if scale_fp16:
@@ -530,6 +577,7 @@ def _rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, ou
         else:
             g.copy_(torch.where(k, lp, zero, out=lp))
     del work, probs, views
+    dots[1].neg_()  # KL(pb||pa) = -sum pb d, but for log s
     if from_logits:
         # the log-probabilities are lp - log s: shift the target's and the sums' by it, and
         # the dots' by -+(log sa - log sb) (sum pa (d - log sa + log sb) = dot_a - log sa +

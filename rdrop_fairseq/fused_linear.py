@@ -36,7 +36,6 @@ which the product's ``alpha`` removes), so no operand is upcast.
 import torch
 
 from .core import (
-    AUTO_CHUNK_MB,
     RDropBatchError,
     RDropLoss,
     _coefficients,
@@ -46,7 +45,8 @@ from .core import (
     _rows_torch,
     _target_ids,
     check_alpha_epsilon,
-    chunk_rows_for,
+    chunk_budget_mb,
+    chunk_bytes_per_pair,
     combine_rows,
 )
 
@@ -116,13 +116,16 @@ def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, e
 
 def chunk_pairs(vocab, features, chunk_mb=0.0, impl="torch"):
     """Row pairs per chunk for a ``chunk_mb`` MiB budget (0: automatic, see
-    :func:`fused_linear_rdrop_loss`) and features of that dtype and device."""
-    rows = chunk_rows_for(vocab, features, chunk_mb)  # the core's float32 temporaries
-    if impl == "triton":  # a chunk is its logits alone, which become their gradient
-        budget = (chunk_mb or AUTO_CHUNK_MB["cuda" if features.is_cuda else "cpu"]) * 2**20
-        rows = max(1, int(budget) // (2 * vocab * features.element_size()))
-    elif features.dtype != _compute_dtype(features):
-        rows = max(1, rows * 4 // 5)  # fp16/bf16 logits beside 16 bytes of temporaries
+    :func:`fused_linear_rdrop_loss`) and features of that dtype and device. A chunk holds
+    its logits (``2 r x V`` in the model's dtype), which become their gradient; with the
+    torch implementation also the core's temporaries, whose probabilities live in the
+    logits' buffer where that has the compute dtype (float32 models)."""
+    budget = chunk_budget_mb(chunk_mb, features) * 2**20
+    per_pair = 2 * vocab * features.element_size()
+    if impl != "triton":
+        in_place = features.dtype == _compute_dtype(features)
+        per_pair += chunk_bytes_per_pair(vocab, features.dtype, in_place)
+    rows = max(1, int(budget) // per_pair)
     if not chunk_mb:  # automatic: also amortise the weight's traffic over enough rows
         rows = max(rows, MIN_AUTO_PAIRS["cuda" if features.is_cuda else "cpu"])
     return rows

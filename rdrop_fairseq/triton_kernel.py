@@ -124,7 +124,8 @@ def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i
     -(la[t] + lb[t])``, ``smooth = -(sum la + sum lb)``, ``kl_pq = KL(pa||pb)``, ``kl_qp =
     KL(pb||pa)``, and the factor that undoes the gradient's scale (1 but in float16). A class that both passes
     rule out (``la = lb = -inf``) contributes nothing to the KLs nor their gradient; one
-    that only pass 1 rules out adds 0 to ``kl_pq`` and +inf to ``kl_qp`` (and vice versa).
+    that only pass 1 rules out adds 0 to ``kl_pq`` and +inf to ``kl_qp`` (and vice versa),
+    and with ``h != 0`` such a row pair has no gradient: nan in both its rows.
 
     Only shapes, dtypes and devices are checked: no host-device synchronisation.
     """
@@ -293,7 +294,8 @@ if triton is not None:
                 big_b = tl.maximum(big_b, tl.max(tl.where(pb == 0.0, 0.0, pb * tl.abs(d)), 0))
             if NEED_GRAD and not FROM_LOGITS and not ROW_SCALE:
                 # d/dla KL(p||q) = p (1 + d), d/dla KL(q||p) = -q
-                _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, h, h, h, eps_i, c1, 1.0)
+                _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, h, 0.0, 0.0, h, eps_i,
+                            c1, 1.0)
         la_t = (x_t - m_a) - log_s_a
         lb_t = (y_t - m_b) - log_s_b
         tl.store(stats_ptr + row, tl.where(kept, -(la_t + lb_t), 0.0))
@@ -305,21 +307,28 @@ if triton is not None:
         # p (d - KL(p||q)) needs the row's complete KL; d/dx KL(q||p) = p - q, and the
         # task loss gives pcoef * p. (From log-probabilities: g = p h (1 + d) - h q ...)
         if FROM_LOGITS:
-            coef_a = pcoef + h * (1.0 - kl_pq)
-            coef_b = pcoef + h * (1.0 - kl_qp)
-        else:
-            coef_a = h
-            coef_b = h
+            base = pcoef + h
+            kl_a = kl_pq
+            kl_b = kl_qp
+        else:  # pcoef is ignored
+            base = h
+            kl_a = 0.0
+            kl_b = 0.0
+        # a row pair whose KL enters the loss and is not finite (a class one pass rules
+        # out, or a nan input) has no gradient: nan in both its rows, through their base
+        bad = (h != 0.0) & ~(tl.abs(kl_pq + kl_qp) < float("inf"))
         scale = 1.0
         if ROW_SCALE:
-            # |g| <= |coef| p + h p |d| + h q + eps_i + |c1|, with p, q <= 1
-            bound = tl.maximum(tl.abs(coef_a) + h * big_a, tl.abs(coef_b) + h * big_b)
+            # |g| <= |base - h kl| p + h p |d| + h q + eps_i + |c1|, with p, q <= 1
+            bound = tl.maximum(tl.abs(base - h * kl_a) + h * big_a,
+                               tl.abs(base - h * kl_b) + h * big_b)
             bound = tl.maximum(bound + h + eps_i + tl.abs(c1), 1.0e-30)
             exponent = tl.minimum(tl.maximum(tl.floor(tl.log2(target_max / bound)), -24.0), 24.0)
             scale = tl.exp2(exponent)
             tl.store(stats_ptr + 4 * stats_stride + row, tl.where(kept, tl.exp2(-exponent), 1.0))
         else:
             tl.store(stats_ptr + 4 * stats_stride + row, 1.0)
+        base = tl.where(bad, float("nan"), base)
         if NEED_GRAD:
             if FROM_LOGITS or ROW_SCALE:
                 for start in range(0, active, BLOCK_V):
@@ -327,8 +336,16 @@ if triton is not None:
                     mask = cols < vocab
                     la, lb, d, pa, pb = _load_chunk(a_ptr, b_ptr, cols, mask, m_a, log_s_a,
                                                     m_b, log_s_b)
-                    _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h,
+                    _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, base, kl_a, kl_b, h,
                                 eps_i, c1, scale)
+            else:
+                # from log-probabilities sweep 2 wrote the gradient: a bad row's is nan
+                for start in range(0, tl.where(bad, active, 0), BLOCK_V):
+                    cols = start + cols0
+                    mask = cols < vocab
+                    nan = tl.full((BLOCK_V,), float("nan"), tl.float32).to(ga_ptr.dtype.element_ty)
+                    tl.store(ga_ptr + cols, nan, mask=mask)
+                    tl.store(gb_ptr + cols, nan, mask=mask)
             # a padding row's gradient is 0
             for start in range(0, vocab - active, BLOCK_V):
                 cols = start + cols0
@@ -350,12 +367,17 @@ if triton is not None:
         return la, lb, d, tl.exp(la), tl.exp(lb)
 
     @triton.jit
-    def _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, coef_a, coef_b, h, eps_i, c1,
+    def _store_grad(ga_ptr, gb_ptr, cols, mask, t, d, pa, pb, base, kl_a, kl_b, h, eps_i, c1,
                     scale):
-        """g_a = pa (coef_a + h d) - h pb - eps_i - c1 [v == t], g_b likewise, times scale."""
+        """g_a = pa (base + h (d - kl_a)) - h pb - eps_i - c1 [v == t], g_b = pb (base -
+        h (d + kl_b)) - h pa - eps_i - c1 [v == t], times scale. d - kl_a and d + kl_b are
+        formed before h scales them: where logits are large, d and the KL are large and
+        nearly equal, and their difference is exact. A d that is not finite counts 0:
+        where the KLs are finite, both p are 0 there."""
+        d = tl.where(tl.abs(d) < float("inf"), d, 0.0)
         common = eps_i + tl.where(cols == t, c1, 0.0)
-        g_a = (pa * (coef_a + h * d) - h * pb - common) * scale
-        g_b = (pb * (coef_b - h * d) - h * pa - common) * scale
+        g_a = (pa * (base + tl.where(h == 0.0, 0.0, h * (d - kl_a))) - h * pb - common) * scale
+        g_b = (pb * (base - tl.where(h == 0.0, 0.0, h * (d + kl_b))) - h * pa - common) * scale
         tl.store(ga_ptr + cols, g_a.to(ga_ptr.dtype.element_ty), mask=mask)
         tl.store(gb_ptr + cols, g_b.to(gb_ptr.dtype.element_ty), mask=mask)
 

@@ -519,7 +519,7 @@ def test_no_host_sync_and_ops_independent_of_padding(mode):
 def test_op_count_grows_with_chunks_only():
     """A 256 MiB chunk at V = 32k and 4096 positions per pass: few chunks, few ops. Counted at
     512 positions with 32 MiB chunks: the same chunks (3 whole, 1 part), so the same ops one
-    by one (checked at both sizes: 137 each, 20 per chunk; 4096 positions cost 14 CPU-s,
+    by one (checked at both sizes: 176 each, 29 per chunk; 4096 positions cost 14 CPU-s,
     512 2.4)."""
     v, n = 32000, 4096
     rows = chunk_rows_for(v, torch.zeros(2, v), 256.0)  # needs the dtype and device only
@@ -532,7 +532,7 @@ def test_op_count_grows_with_chunks_only():
     ops = _dispatch(logits, target, alpha=5.0, epsilon=0.1, ignore_index=PAD, chunk_mb=32.0)
     per_chunk_and_fixed = ops.total
     assert ops.n_syncing == 0
-    assert per_chunk_and_fixed <= 26 * 4 + 45, ops.by_op
+    assert per_chunk_and_fixed <= 29 * 4 + 62, ops.by_op
 
 
 def test_no_full_size_float32_temporaries_for_half_scores():

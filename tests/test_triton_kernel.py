@@ -275,21 +275,25 @@ def test_class_ruled_out_by_both_passes(kernel, from_logits):
 
 
 def test_class_ruled_out_by_one_pass(kernel):
-    """KL(P||Q) stays finite if only P rules a class out, KL(Q||P) is +inf: no nan.
-    (The gradient is not compared: it is infinite, or nan as in the torch path.)"""
+    """KL(P||Q) stays finite if only P rules a class out, KL(Q||P) is +inf: no nan there.
+    Such a row pair has no gradient (its loss is +inf around it): nan in both its rows, from
+    logits and from log-probabilities alike; the other rows are finite, as autograd's."""
     n, v = 3, 40
     s = F.log_softmax(torch.randn(2, n, v, generator=gen(14), dtype=torch.float64), -1)
     s[0, :, 7] = float("-inf")  # pass 1 rules class 7 out
     s[1, 2, 9] = float("-inf")  # pass 2 rules class 9 out, in row 2
     s = s.float()
+    s[0, 1, 7] = s[1, 1, 7]  # row 1: an ordinary row pair again
     target = torch.tensor([0, 1, 2])
     for from_logits in (False, True):
-        _, stats = kernel(s, target, from_logits=from_logits, pcoef=1.0, h=0.5, eps_i=0.0,
-                          c1=1.0)
-        _, ref_stats = reference(s, target, from_logits, 0.5, 0.0, 1.0)
+        grad, stats = kernel(s, target, from_logits=from_logits, pcoef=1.0, h=0.5, eps_i=0.0,
+                             c1=1.0)
+        ref_grad, ref_stats = reference(s, target, from_logits, 0.5, 0.0, 1.0)
         torch.testing.assert_close(stats[:4].double(), ref_stats, **STATS_TOL)
-        assert torch.isfinite(stats[2, :2]).all()
-        assert torch.isposinf(stats[2, 2]) and torch.isposinf(stats[3]).all()
+        assert torch.isfinite(stats[2, :2]).all() and torch.isfinite(stats[3, 1])
+        assert torch.isposinf(stats[2, 2]) and torch.isposinf(stats[3, [0, 2]]).all()
+        assert torch.isnan(grad[:, [0, 2]]).all()
+        torch.testing.assert_close(grad[:, 1].double(), ref_grad[:, 1], **GRAD_TOL[torch.float32])
 
 
 @pytest.mark.parametrize("from_logits", [True, False], ids=["logits", "lprobs"])
