@@ -23,22 +23,9 @@
 # of the Python module). A SAVE_DIR holding checkpoint_last.pt is resumed, not restarted.
 source "$(dirname "$0")/lib/common.sh"
 
-# the paper's per-task settings: max updates, batch (sentences), alpha; then the number of
-# classes (STS-B: 1, regression) and the metric that picks checkpoint_best.pt (the paper's)
-for name in CoLA MRPC RTE SST-2 MNLI QNLI QQP STS-B; do  # TASK in any case
-  [ "${TASK:-}" != "${name,,}" ] && [ "${TASK:-}" != "${name^^}" ] || TASK=$name
-done
-case ${TASK:-} in
-  CoLA)  SETTINGS=(5336 16 0.5 2 mcc report_mcc) ;;
-  MRPC)  SETTINGS=(2296 16 1.0 2 accuracy report_acc_and_f1) ;;
-  RTE)   SETTINGS=(3120 8 1.0 2 accuracy) ;;
-  SST-2) SETTINGS=(20935 32 1.0 2 accuracy) ;;
-  MNLI)  SETTINGS=(123873 32 0.5 3 accuracy) ;;
-  QNLI)  SETTINGS=(33112 32 1.0 2 accuracy) ;;
-  QQP)   SETTINGS=(113272 32 0.5 2 accuracy report_acc_and_f1) ;;
-  STS-B) SETTINGS=(3598 16 1.0 1 pearson report_pearson_and_spearman) ;;
-  *) die "TASK must be one of CoLA, MRPC, RTE, SST-2, MNLI, QNLI, QQP, STS-B, not '${TASK:-}'" ;;
-esac
+# the paper's per-task settings (rdrop_fairseq/recipes/glue_tasks.tsv): max updates, batch
+# (sentences), alpha, classes, the best checkpoint's metric and its report flag
+glue_task
 PAPER_MAX_UPDATE=${SETTINGS[0]} BATCH=${SETTINGS[1]} CLASSES=${SETTINGS[3]}
 CONFIG=roberta_glue_rdrop LR_ARGS=() CHECKPOINT_NAME=roberta.large
 case ${MODE:-} in

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GLUE with R-Drop on BERT-base through Hugging Face, the paper's BERT-base row: fine-tuned
 # with RDropTrainer (rdrop_fairseq.hf) on one GPU per task, with the task's max updates,
-# batch (sentences) and alpha (the paper's appendix table 1) and the paper's optimiser;
-# where the paper is silent, Hugging Face's run_glue defaults (docs/glue.md lists each).
+# batch (sentences) and alpha (the paper's appendix table 1: rdrop_fairseq/recipes/
+# glue_tasks.tsv), the paper's optimiser, and a linear warm-up over 6 % of the updates with
+# linear decay (fairseq's RoBERTa GLUE schedule, as the paper's settings); where the paper is
+# silent, Hugging Face's run_glue defaults (docs/glue.md lists each).
 #
 #   TASK=RTE bash scripts/glue_bert.sh [prepare|train|evaluate|all] [extra arguments]
 #   TASK=MRPC MODE=baseline SEED=2 bash scripts/glue_bert.sh train
@@ -13,28 +15,18 @@
 # bert-base-uncased folder: config.json, model.safetensors or pytorch_model.bin,
 # tokenizer.json or vocab.txt; default work/bert-base-uncased), DOWNLOADS. Environment: TASK (CoLA, MRPC, RTE,
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
-# doubled-batch), ALPHA, SEED, MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ steps of
+# doubled-batch), ALPHA, AUTHORS_CODE (1: alpha = 0.5 x the per-device batch, the KL scale
+# of the authors' Hugging Face code), WARMUP (the warm-up's fraction of the updates; default
+# 0.06, 0 for none), SEED, MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ steps of
 # batch/UPDATE_FREQ sentences), GPUS (0 or 1), CPU, BF16, FP16, PYTHON, DRY_RUN.
-# Arguments after train are Hugging Face TrainingArguments (--warmup_ratio 0.06); after
+# Arguments after train are Hugging Face TrainingArguments (--learning_rate 2e-5); after
 # prepare / evaluate, options of the Python module. Rerunning train resumes from the last
 # checkpoint-N of SAVE_DIR.
 source "$(dirname "$0")/lib/common.sh"
 
-# the paper's per-task settings: max updates, batch (sentences), alpha
-for name in CoLA MRPC RTE SST-2 MNLI QNLI QQP STS-B; do  # TASK in any case
-  [ "${TASK:-}" != "${name,,}" ] && [ "${TASK:-}" != "${name^^}" ] || TASK=$name
-done
-case ${TASK:-} in
-  CoLA)  SETTINGS=(5336 16 0.5) ;;
-  MRPC)  SETTINGS=(2296 16 1.0) ;;
-  RTE)   SETTINGS=(3120 8 1.0) ;;
-  SST-2) SETTINGS=(20935 32 1.0) ;;
-  MNLI)  SETTINGS=(123873 32 0.5) ;;
-  QNLI)  SETTINGS=(33112 32 1.0) ;;
-  QQP)   SETTINGS=(113272 32 0.5) ;;
-  STS-B) SETTINGS=(3598 16 1.0) ;;
-  *) die "TASK must be one of CoLA, MRPC, RTE, SST-2, MNLI, QNLI, QQP, STS-B, not '${TASK:-}'" ;;
-esac
+# the paper's per-task settings (rdrop_fairseq/recipes/glue_tasks.tsv): max updates, batch
+# (sentences), alpha, classes, the best checkpoint's metric and its report flag
+glue_task
 PAPER_MAX_UPDATE=${SETTINGS[0]} BATCH=${SETTINGS[1]}
 GLUE_DIR=${GLUE_DIR:-work/glue_data}
 BERT_DIR=${BERT_DIR:-work/bert-base-uncased}
@@ -71,7 +63,17 @@ train() {
   (( BATCH % UPDATE_FREQ == 0 )) ||
     die "UPDATE_FREQ=$UPDATE_FREQ does not divide $TASK's batch of $BATCH sentences"
   local batch_size=$(( BATCH / UPDATE_FREQ * BATCH_FACTOR )) mode_args=(--mode "$MODE")
-  [ "$MODE" != rdrop ] || mode_args+=(--alpha "${ALPHA:-${SETTINGS[2]}}")
+  local alpha=${ALPHA:-${SETTINGS[2]}}
+  if [ "${AUTHORS_CODE:-0}" = 1 ]; then
+    [ "$MODE" = rdrop ] || die "AUTHORS_CODE=1 sets R-Drop's alpha: it goes with MODE=rdrop"
+    [ -z "${ALPHA:-}" ] || die "AUTHORS_CODE=1 sets alpha (0.5 x the per-device batch): leave out ALPHA=$ALPHA"
+    # their KL, weighted 0.5 and summed over the batch beside mean cross-entropies, is
+    # alpha = 0.5 x B here (docs/huggingface.md)
+    alpha=$(awk -v b="$batch_size" 'BEGIN { print 0.5 * b }')
+    say "AUTHORS_CODE=1: alpha = 0.5 x $batch_size sentences per device = $alpha"
+  fi
+  [ "$MODE" != rdrop ] || mode_args+=(--alpha "$alpha")
+  mode_args+=(--warmup "${WARMUP:-0.06}")
   local device_args=()
   if [ "$GPUS" = 0 ]; then
     device_args=(--use_cpu)
@@ -82,9 +84,10 @@ train() {
   fi
   say "batch: 1 device x $UPDATE_FREQ steps x $batch_size sentences" \
       "= $(( batch_size * UPDATE_FREQ )) sentences per update (the paper's: $BATCH)"
-  # the paper's optimiser (Adam, betas 0.9 / 0.98, eps 1e-6, weight decay 0.01, lr 1e-5);
-  # the rest is TrainingArguments' defaults, as run_glue's (linear decay, no warmup,
-  # gradient clipping at 1.0; dropout 0.1 is BERT's config)
+  # the paper's optimiser (Adam, betas 0.9 / 0.98, eps 1e-6, weight decay 0.01, lr 1e-5) and
+  # warm-up (--warmup, above: 6 % of the updates, then linear decay to 0); the rest is
+  # TrainingArguments' defaults, as run_glue's (gradient clipping at 1.0; dropout 0.1 is
+  # BERT's config)
   run "$PYTHON" -m rdrop_fairseq.recipes.glue_bert train "$TASK" --data "$BIN" \
       --bert-dir "$BERT_DIR" "${mode_args[@]}" -- \
       --output_dir "$SAVE_DIR" --seed "$SEED" --max_steps "${MAX_UPDATE:-$PAPER_MAX_UPDATE}" \

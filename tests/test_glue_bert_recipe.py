@@ -9,6 +9,7 @@ checked against the paper's table in dry runs."""
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -19,16 +20,13 @@ import torch
 
 from rdrop_fairseq.recipes import glue_bert
 from tests.recipe_helpers import OFFLINE, dry_run, script
-from tests.test_glue_recipe import write_glue
+from tests.test_glue_recipe import PAPER_TABLE, write_glue
 
 # nothing may come from the Hugging Face hub (read when huggingface_hub is imported; the
 # script's processes get it from the test's env)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MINILM = Path(sys.prefix) / "share" / "rdrop-fairseq" / "all-MiniLM-L6-v2"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-PAPER = {"CoLA": (5336, 16, "0.5"), "MRPC": (2296, 16, "1.0"), "RTE": (3120, 8, "1.0"),
-         "SST-2": (20935, 32, "1.0"), "MNLI": (123873, 32, "0.5"), "QNLI": (33112, 32, "1.0"),
-         "QQP": (113272, 32, "0.5"), "STS-B": (3598, 16, "1.0")}
 
 
 def write_bert(folder):
@@ -209,15 +207,17 @@ def test_each_mode_trains_with_its_trainer(stand_ins, tmp_path):
 # ------------------------------------------------------------------ the script's settings
 
 
-@pytest.mark.parametrize("task", list(PAPER))
+@pytest.mark.parametrize("task", list(PAPER_TABLE))
 def test_train_uses_the_papers_settings_for_each_task(task):
-    updates, batch, alpha = PAPER[task]
+    updates, batch, alpha = PAPER_TABLE[task]
     commands, proc = dry_run("glue_bert", "train", TASK=task.lower(), GPUS=1)
     (cmd,) = commands
     assert cmd[1:5] == ["-m", "rdrop_fairseq.recipes.glue_bert", "train", task]
     ours, hf = cmd[:cmd.index("--")], cmd[cmd.index("--") + 1:]
     options = dict(zip(hf[::2], hf[1::2]))
-    assert ours[ours.index("--mode") + 1] == "rdrop" and ours[ours.index("--alpha") + 1] == alpha
+    assert ours[ours.index("--mode") + 1] == "rdrop"
+    assert float(ours[ours.index("--alpha") + 1]) == alpha
+    assert ours[ours.index("--warmup") + 1] == "0.06"  # fairseq's RoBERTa GLUE schedule
     assert hf[-1] == "--fp16"  # as the authors' run.sh, on the GPU
     assert {k: options[k] for k in ("--max_steps", "--per_device_train_batch_size",
                                     "--gradient_accumulation_steps")} == {
@@ -238,12 +238,12 @@ def test_modes_batches_and_devices():
         return cmd[:cmd.index("--")], dict(zip(hf[::2], hf[1::2])), hf, proc
 
     ours, _, _, _ = train_command(ALPHA=0.3)
-    assert ours[-4:] == ["--mode", "rdrop", "--alpha", "0.3"]
+    assert ours[-6:] == ["--mode", "rdrop", "--alpha", "0.3", "--warmup", "0.06"]
     for mode in ("baseline", "no-kl"):
         ours, options, _, _ = train_command(MODE=mode)
-        assert ours[-2:] == ["--mode", mode] and options["--per_device_train_batch_size"] == "16"
+        assert ours[-4:-2] == ["--mode", mode] and options["--per_device_train_batch_size"] == "16"
     ours, options, _, proc = train_command(MODE="doubled-batch")
-    assert ours[-2:] == ["--mode", "doubled-batch"]
+    assert ours[-4:-2] == ["--mode", "doubled-batch"]
     assert options["--per_device_train_batch_size"] == "32"
     _, options, _, proc = train_command(UPDATE_FREQ=4, SEED=3, MAX_UPDATE=7)
     assert (options["--per_device_train_batch_size"], options["--gradient_accumulation_steps"],
@@ -253,14 +253,63 @@ def test_modes_batches_and_devices():
     assert train_command(BF16=1)[2][-1] == "--bf16"
     _, _, hf, _ = train_command(FP16=0)
     assert "--fp16" not in hf and "--use_cpu" not in hf
-    (cmd,), _ = dry_run("glue_bert", "train", "--warmup_ratio", "0.06", TASK="RTE", GPUS=1)
-    assert cmd[-2:] == ["--warmup_ratio", "0.06"]  # after the script's: it wins
+    (cmd,), _ = dry_run("glue_bert", "train", "--learning_rate", "2e-5", TASK="RTE", GPUS=1)
+    assert cmd[-2:] == ["--learning_rate", "2e-5"]  # after the script's: it wins
+    (cmd,), _ = dry_run("glue_bert", "train", TASK="RTE", GPUS=1, WARMUP=0.1)
+    assert cmd[cmd.index("--warmup") + 1] == "0.1"
     (cmd,), _ = dry_run("glue_bert", "evaluate", TASK="RTE", GPUS=0)
     assert cmd[cmd.index("--json") + 1].endswith("glue_bert.RTE.rdrop.seed1/dev.json")
     assert cmd[-1] == "--cpu"
 
 
+def test_authors_code_alpha_is_half_the_per_device_batch():
+    """The authors' Hugging Face code weighs a KL summed over the batch by 0.5 beside mean
+    cross-entropies: alpha = 0.5 x B here (docs/huggingface.md)."""
+    for env, alpha in (({"TASK": "MRPC"}, "8"), ({"TASK": "MRPC", "UPDATE_FREQ": 2}, "4"),
+                       ({"TASK": "RTE"}, "4")):
+        (cmd,), proc = dry_run("glue_bert", "train", GPUS=1, AUTHORS_CODE=1, **env)
+        assert cmd[cmd.index("--alpha") + 1] == alpha
+        assert f"alpha = 0.5 x" in proc.stdout
+
+
+@pytest.mark.parametrize("extra, env", [
+    ([], {}), ([], {"WARMUP": 0}), ([], {"WARMUP": 0.1, "UPDATE_FREQ": 2}),
+    (["--learning_rate", "2e-5"], {}), ([], {"GPUS": 0}), ([], {"BF16": 1})])
+def test_the_training_arguments_parse_as_transformers_reads_them(tmp_path, extra, env):
+    """The whole command the script gives the module, and what the docs tell users to add,
+    through the module's own parsing and the real TrainingArguments: the warm-up is a
+    linear schedule over the given fraction of the updates on this transformers version."""
+    from transformers.optimization import get_scheduler
+
+    (cmd,), _ = dry_run("glue_bert", "train", *extra, **{"TASK": "MRPC", "GPUS": 1, **env})
+    module_args = cmd[cmd.index("train"):]
+    split = module_args.index("--")
+    warmup = float(module_args[module_args.index("--warmup") + 1])
+    hf_args = module_args[split + 1:]
+    parser = glue_bert.ArgumentParser(prog="glue_bert")
+    # fp16 needs a GPU to parse, bf16 a GPU or the CPU's flag: the CPU's flag here
+    hf_args = [arg for arg in hf_args if arg != "--fp16"]
+    args = glue_bert.training_arguments(parser, hf_args + ["--use_cpu"], warmup)
+    assert args.lr_scheduler_type == "linear"
+    steps = args.get_warmup_steps(args.max_steps)
+    assert steps == math.ceil(warmup * args.max_steps)
+    if extra:
+        assert args.learning_rate == 2e-5
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.learning_rate)
+    schedule = get_scheduler(args.lr_scheduler_type, optimizer, steps, args.max_steps)
+    rates = []
+    for _ in range(args.max_steps):
+        rates.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    peak = rates.index(max(rates))
+    assert peak == max(steps, 1) - (steps == 0)  # up for `steps` updates, then down to 0
+    assert rates[-1] < rates[peak] / 100
+
+
 @pytest.mark.parametrize("env, message", [
+    ({"AUTHORS_CODE": 1, "ALPHA": 2}, "AUTHORS_CODE=1 sets alpha"),
+    ({"AUTHORS_CODE": 1, "MODE": "baseline"}, "AUTHORS_CODE=1 sets R-Drop's alpha"),
     ({"GPUS": 2}, "fine-tunes on one GPU, as the paper: set GPUS=1"),
     ({"MODE": "baseline", "ALPHA": 1}, "ALPHA=1 contradicts MODE=baseline"),
     ({"UPDATE_FREQ": 3}, "UPDATE_FREQ=3 does not divide RTE's batch of 8"),

@@ -384,7 +384,9 @@ def test_baseline_mode_is_fairseqs_sentence_prediction(glue, tmp_path):
 
 # ------------------------------------------------------------------ the paper's settings
 
-# reference/rdrop-method.md, "GLUE per-task settings (paper appendix table 1)"
+# Liang et al., "R-Drop: Regularized Dropout for Neural Networks", NeurIPS 2021, appendix
+# table 1 (the GLUE hyper-parameters), copied from the paper: rdrop_fairseq/recipes/
+# glue_tasks.tsv, which both GLUE scripts read, must say the same
 PAPER_TABLE = {
     #         max update, batch (sentences), alpha
     "CoLA": (5336, 16, 0.5),
@@ -396,6 +398,13 @@ PAPER_TABLE = {
     "QQP": (113272, 32, 0.5),
     "STS-B": (3598, 16, 1.0),
 }
+
+
+def test_the_settings_table_is_the_papers():
+    rows = [line.split("\t") for line in (REPO / "rdrop_fairseq" / "recipes" / "glue_tasks.tsv")
+            .read_text().splitlines() if line and not line.startswith("#")]
+    assert rows[0][:4] == ["task", "max_update", "batch", "alpha"]
+    assert {r[0]: (int(r[1]), int(r[2]), float(r[3])) for r in rows[1:]} == PAPER_TABLE
 
 
 def test_task_table_is_the_papers(tmp_path):

@@ -46,6 +46,10 @@ BERT_FILES = ("a Hugging Face BERT folder such as bert-base-uncased: config.json
 OUR_TRAINING_ARGUMENTS = ["--save_strategy", "steps", "--save_steps", "500",
                           "--save_total_limit", "2", "--logging_steps", "50",
                           "--report_to", "none"]
+# the learning rate warms up linearly over this fraction of the updates, then decays
+# linearly to 0 (TrainingArguments' default schedule): fairseq's RoBERTa GLUE recipe (6 %,
+# polynomial decay of power 1) and the authors' bert_rdrop/run.sh
+WARMUP = 0.06
 
 
 def check_bert_dir(parser, bert_dir):
@@ -107,13 +111,17 @@ def prepare(a):
 
 # -------------------------------------------------------------------------------- train
 
-def training_arguments(parser, argv):
-    """TrainingArguments from ours and ``argv`` (the script's and the user's, which win)."""
+def training_arguments(parser, argv, warmup=WARMUP):
+    """TrainingArguments from ours (a warm-up over ``warmup`` of the updates among them) and
+    ``argv`` (the script's and the user's, which win)."""
     from transformers import HfArgumentParser, TrainingArguments
+
+    from ..hf import warmup_arguments
 
     hf = HfArgumentParser(TrainingArguments)
     hf.prog = f"{parser.prog} train ... --"
-    (args,) = hf.parse_args_into_dataclasses(args=OUR_TRAINING_ARGUMENTS + list(argv))
+    ours = OUR_TRAINING_ARGUMENTS + warmup_arguments(warmup)
+    (args,) = hf.parse_args_into_dataclasses(args=ours + list(argv))
     return args
 
 
@@ -127,14 +135,16 @@ def examples(rows, labels):
 def make_trainer(a, args, model, tokenizer, train_dataset):
     from transformers import DataCollatorWithPadding, Trainer
 
-    from ..hf import RDropTrainer
+    from ..hf import RDropTrainer, declare_loss_scaling
 
     class OnePassTrainer(Trainer):
-        # transformers 5 counts a model whose forward takes **kwargs as normalising its
-        # loss over the accumulated batch (num_items_in_batch), and BERT's heads take the
-        # mean of each batch: without this, --gradient_accumulation_steps k would give k
-        # times the gradient. A mean per batch, divided by k.
-        loss_is_scaled_for_ga = False
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # the Trainer counts a model whose forward takes **kwargs as normalising its
+            # loss over the accumulated batch (num_items_in_batch), and BERT's heads take
+            # the mean of each batch: without this, --gradient_accumulation_steps k would
+            # give k times the gradient. A mean per batch, divided by k.
+            declare_loss_scaling(self, False)
 
     common = dict(model=model, args=args, train_dataset=train_dataset,
                   data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)
@@ -148,7 +158,7 @@ def train(a, parser):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.trainer_utils import get_last_checkpoint
 
-    args = training_arguments(parser, a.training_args)
+    args = training_arguments(parser, a.training_args, a.warmup)
     meta = load_meta(a.data)
     if meta["task"] != a.task:
         parser.error(f"--data {a.data} holds {meta['task']}, not {a.task}")
@@ -260,6 +270,9 @@ def parse_args(argv):
     p.add_argument("--alpha", type=float, help="train, MODE rdrop: R-Drop's alpha")
     p.add_argument("--rdrop-impl", choices=("auto", "torch", "triton"), default="auto",
                    help="train: the R-Drop loss's implementation (default auto)")
+    p.add_argument("--warmup", type=float, default=WARMUP, metavar="FRACTION",
+                   help="train: warm the learning rate up over this fraction of the updates "
+                        "(default %(default)s; 0: none)")
     p.add_argument("--save-dir", help="evaluate: train's --output_dir")
     p.add_argument("--json", help="evaluate: also write the metrics to this file")
     p.add_argument("--batch-size", type=int, default=32, help="evaluate: examples per forward")
@@ -289,6 +302,8 @@ def parse_args(argv):
             p.error("--alpha goes with --mode rdrop (and only with it)")
         if "--output_dir" not in a.training_args:
             p.error("give the save dir as TrainingArguments' --output_dir (after --)")
+        if not 0 <= a.warmup < 1:
+            p.error(f"--warmup is a fraction of the updates, in [0, 1): got {a.warmup}")
     if a.stage == "evaluate":
         need(p, "--save-dir", Path(a.save_dir) / "final" / "glue.json",
              f"train first: {script} train")

@@ -245,3 +245,16 @@ split_batch() {
       "= $per_update tokens per update (the paper's: $total$note)"
 }
 
+# glue_task: TASK in the GLUE table's spelling (any case accepted), and SETTINGS its row of
+# rdrop_fairseq/recipes/glue_tasks.tsv (the paper's appendix table 1): max updates, batch
+# (sentences), alpha, classes, best-checkpoint metric, its report flag ('-': none)
+glue_task() {
+  local table row
+  table="$(dirname "${BASH_SOURCE[0]}")/../../rdrop_fairseq/recipes/glue_tasks.tsv"
+  row=$(awk -F'\t' -v t="${TASK:-}" '!/^#/ && $1 != "task" && toupper($1) == toupper(t)' "$table")
+  [ -n "$row" ] || die "TASK must be one of $(awk -F'\t' '!/^#/ && $1 != "task" {printf "%s%s", s, $1; s = ", "}' "$table"), not '${TASK:-}'"
+  read -r TASK SETTINGS_ROW <<<"$row"
+  read -r -a SETTINGS <<<"$SETTINGS_ROW"
+  [ "${SETTINGS[5]}" != - ] || unset 'SETTINGS[5]'
+}
+
