@@ -3,7 +3,9 @@ already share the cores, and torch's default of a thread per core in each of the
 oversubscribes them (OpenMP threads spin-waiting for a core)."""
 
 import os
+import sys
 
+import pytest
 import torch
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -15,6 +17,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SLOWEST_FIRST = [
     "tests/test_recipe_scripts.py",  # gpu_check.sh's CPU smoke run: 64 s alone (AMD EPYC)
     "tests/test_demo_rerun.py",  # one test of 84 s: it ran last at d5c6e97
+    "tests/test_transformers_floor.py",  # the Hugging Face tests again, on transformers 4.48
     "tests/test_attendout_gate.py",
     "experiments/tests/test_attendout_controls.py",  # the noise control and its positive one
     "tests/test_attendout_search.py",
@@ -41,3 +44,19 @@ def pytest_collection_modifyitems(session, config, items):
         return rank.get(path, len(rank))
 
     items.sort(key=key)  # stable: the order within a file and of the other files is kept
+
+
+@pytest.fixture(autouse=True)
+def _mixed_precision_stays_in_its_test():
+    """transformers 4's TrainingArguments(bf16=True) or (fp16=True) sets
+    ACCELERATE_MIXED_PRECISION for the whole process, and accelerate keeps it in a
+    process-wide state: every later Trainer of the process would run in that precision."""
+    before = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    yield
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") != before:
+        if before is None:
+            del os.environ["ACCELERATE_MIXED_PRECISION"]
+        else:
+            os.environ["ACCELERATE_MIXED_PRECISION"] = before
+        if "accelerate.state" in sys.modules:
+            sys.modules["accelerate.state"].AcceleratorState._reset_state(reset_partial_state=True)

@@ -21,6 +21,7 @@ import torch
 from rdrop_fairseq.recipes import glue_bert
 from tests.recipe_helpers import OFFLINE, dry_run, script
 from tests.test_glue_recipe import PAPER_TABLE, write_glue
+from tests.test_hf import sequential
 
 # nothing may come from the Hugging Face hub (read when huggingface_hub is imported; the
 # script's processes get it from the test's env)
@@ -164,16 +165,19 @@ def test_each_mode_trains_with_its_trainer(stand_ins, tmp_path):
     def trainer(mode, alpha=None, batch=8, steps=1, callbacks=()):
         args = argparse.Namespace(mode=mode, alpha=alpha, rdrop_impl="auto")
         torch.manual_seed(0)
-        model = AutoModelForSequenceClassification.from_pretrained(stand_ins["bert"],
-                                                                   num_labels=2)
-        for module in model.modules():  # no dropout: the same gradient in both runs
+        # no dropout, the attention's included (transformers 4 applies it as a function of
+        # the configuration's probability): the same gradient in both runs
+        model = AutoModelForSequenceClassification.from_pretrained(
+            stand_ins["bert"], num_labels=2, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+        for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
         training = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True,
                                      report_to="none", per_device_train_batch_size=batch,
                                      gradient_accumulation_steps=steps, max_steps=1,
                                      max_grad_norm=0.0, save_strategy="no",
-                                     train_sampling_strategy="sequential", disable_tqdm=True)
+                                     disable_tqdm=True, **sequential())
         tokenizer = AutoTokenizer.from_pretrained(stand_ins["bert"])
         rows = [tokenizer(s1, s2) for s1, s2, _ in stand_ins["data"]["RTE"]["train"][:8]]
         dataset = [{"input_ids": r["input_ids"], "token_type_ids": r["token_type_ids"],

@@ -172,8 +172,10 @@ def assert_same_gradients(got, want, rtol=1e-4, atol=1e-8):
 
 
 def assert_norm_close(mine, theirs, name, rel=1e-5):
+    """Within ``rel`` of the tensor's norm; 1e-9 absolute for gradients that are 0 in exact
+    arithmetic (an attention key's bias: the softmax ignores a shift) and float32 noise."""
     err = float((mine.double() - theirs.double()).norm())
-    assert err <= rel * float(theirs.double().norm()) + 1e-12, (name, err, float(theirs.norm()))
+    assert err <= rel * float(theirs.double().norm()) + 1e-9, (name, err, float(theirs.norm()))
 
 
 # ------------------------------------------------------------------- the loss, both paths
@@ -277,7 +279,7 @@ def test_a_model_returning_a_tuple_is_read_by_its_first_element(tmp_path):
 def test_bf16_autocast_on_the_cpu_is_float32s_loss_within_bf16(tmp_path):
     """TrainingArguments(bf16=True) on the CPU runs the forward under bf16 autocast; the
     loss and gradients are float32's to bf16's precision (the loss's sums stay float32)."""
-    results = []
+    results = []  # (tests/conftest.py keeps bf16 from reaching later trainers)
     for bf16 in (False, True):
         model = model_for("llama")
         trainer = make(model, tmp_path / str(bf16), bf16=bf16)
@@ -341,7 +343,7 @@ def test_gradient_accumulation_gives_the_gradient_of_one_batch_k_times_as_large(
                 max_grad_norm=0.0), train_dataset=data, callbacks=[grab], rdrop_alpha=1.0)
         trainer.train()
         grads[steps] = grab.grad
-    torch.testing.assert_close(grads[2], grads[1], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(grads[2], grads[1], rtol=1e-5, atol=1e-8)
 
 
 # ---------------------------------------------------------------- the other trainers
@@ -383,7 +385,11 @@ def test_seq2seq_trainer_trains_and_generates_with_one_pass(tmp_path):
 def test_sft_trainer_with_completion_only_loss(tmp_path):
     """TRL's SFTTrainer with RDropMixin first, on prompt/completion data: 10 steps, the
     prompt tokens labelled -100 by TRL's collator, R-Drop's loss on the completion."""
-    trl = pytest.importorskip("trl")
+    try:
+        import trl
+        trl.SFTTrainer  # imported lazily
+    except Exception as error:  # trl 1.16 needs transformers >= 4.56.2: not the floor's
+        pytest.skip(f"trl does not import with transformers {transformers.__version__}: {error}")
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
