@@ -182,6 +182,11 @@ class RDropMixin:
                 f"{type(self).__name__}: a training batch without 'labels' (its keys: "
                 f"{', '.join(sorted(inputs))}): R-Drop's loss needs the labels of every "
                 f"training batch (-100 marks the tokens without one){hint}")
+        if any(key.startswith("cu_seq_lens") for key in inputs):
+            raise RDropBatchError(
+                f"{type(self).__name__}: a padding-free batch (its sequences packed into one "
+                "row, cu_seq_lens_*) cannot go through the model twice as [x; x]: set "
+                "padding_free=False (TRL: and a packing strategy other than 'bfd')")
         kind = self._rdrop_kind
         features = {key: value for key, value in inputs.items() if key != "labels"}
         if kind in ("causal", "seq2seq"):

@@ -441,6 +441,19 @@ def test_sft_trainer_with_completion_only_loss(tmp_path):
     assert (first[:, :4] == -100).all() and (first != -100).any()  # the prompt is masked
 
 
+def test_a_padding_free_batch_is_refused_saying_what_to_set(tmp_path):
+    """TRL's padding_free packs a batch's sequences into one row with cu_seq_lens_*."""
+    model = model_for("llama")
+    inputs = {"input_ids": torch.arange(3, 13).view(1, 10),
+              "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]]),
+              "labels": torch.arange(3, 13).view(1, 10),
+              "cu_seq_lens_q": torch.tensor([0, 4, 7, 10], dtype=torch.int32)}
+    trainer = make(model, tmp_path)
+    model.train()
+    with pytest.raises(ValueError, match="padding-free batch .* set padding_free=False"):
+        trainer.compute_loss(model, inputs)
+
+
 def test_lora_trains_only_the_adapters_and_their_dropout_makes_the_kl(tmp_path):
     peft = pytest.importorskip("peft")
     results = {}
