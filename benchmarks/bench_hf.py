@@ -1,23 +1,33 @@
 """R-Drop's training step through RDropTrainer vs a plain ``transformers.Trainer`` step on
-the doubled batch, side by side.
+the doubled batch, side by side: time and peak memory.
 
 The floor is what any R-Drop step has to compute: the plain Trainer's ``training_step``
 (forward, the model's own loss, backward) given ``[x; x]`` and ``[y; y]``. ``rdrop`` is
 ``RDropTrainer.training_step`` given ``x`` (alpha 1): it doubles the batch itself and
-computes the loss with the fused core (the torch implementation on CPU). Two heads on a
-BERT of all-MiniLM-L6-v2's shape (6 layers, 384 wide, 12 heads, random weights, dropout
-0.1):
+computes the loss with the fused core (the torch implementation on CPU) from the logits;
+``rdrop-fused`` (language-model heads) from the hidden states and the output embedding
+(``rdrop_fused_linear``), so that the logits are never made. Random weights, dropout 0.1:
 
-* ``classification``: a 2-class sequence classification head;
-* ``masked-lm``: BERT's masked-LM head over the 30,522-token vocabulary, 15 % of the
-  positions labelled.
+* ``classification``: a BERT of all-MiniLM-L6-v2's shape (6 layers, 384 wide, 12 heads)
+  with a 2-class sequence classification head;
+* ``masked-lm``: the same BERT with its masked-LM head over 30,522 tokens, 15 % of the
+  positions labelled;
+* ``causal-lm``: a Qwen-style causal LM (Llama architecture, V = 151,936, 256 wide, 2
+  layers), every position labelled;
+* ``seq2seq``: a Marian-shaped translation model (V = 58,101, 256 wide, 2 + 2 layers),
+  target tokens labelled.
+
+The peak is the most bytes of tensor storage alive at once during one more step, counted
+through torch's dispatcher (``rdrop_fairseq.opcount.LiveBytes``: what the step allocates,
+the model's weights and the batch not included), the same way for every method.
 
 Each measurement is a fresh process (``--rounds`` of them per method, the methods
 alternating, so that a slow spell of a shared machine hits both): one warm-up step, then
 ``--steps`` timed steps (wall clock), their median. A method's figure is the median of its
 processes' medians; the ratio is rdrop / floor.
 
-    python benchmarks/bench_hf.py                      # both heads, batch 4 x 128 tokens
+    python benchmarks/bench_hf.py --heads classification masked-lm   # batch 4 x 128 tokens
+    python benchmarks/bench_hf.py --heads causal-lm seq2seq --batch 2 --length 512
     python benchmarks/bench_hf.py --heads masked-lm --rounds 5 --steps 5 --json out.json
 """
 
@@ -32,22 +42,44 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("floor", "rdrop")
-HEADS = ("classification", "masked-lm")
+METHODS = ("floor", "rdrop", "rdrop-fused")
+HEADS = ("classification", "masked-lm", "causal-lm", "seq2seq")
+LM_HEADS = ("masked-lm", "causal-lm", "seq2seq")  # where rdrop-fused applies
 MINILM_SHAPE = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
                     num_attention_heads=12, intermediate_size=1536)
+QWEN_SHAPE = dict(vocab_size=151936, hidden_size=256, intermediate_size=704,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+MARIAN_SHAPE = dict(vocab_size=58101, d_model=256, encoder_layers=2, decoder_layers=2,
+                    encoder_attention_heads=4, decoder_attention_heads=4,
+                    encoder_ffn_dim=1024, decoder_ffn_dim=1024)
+
+
+def methods_for(head):
+    return [m for m in METHODS if m != "rdrop-fused" or head in LM_HEADS]
 
 
 def build(head, batch, length, shape=None, seed=0):
-    """The model (training mode) and one pass's batch: token ids, and labels (classes, or
-    15 % of the tokens for the masked LM, -100 elsewhere)."""
+    """The model (training mode) and one pass's batch: token ids, and labels (classes; 15 %
+    of the tokens for the masked LM, -100 elsewhere; every token for the causal LM; target
+    tokens for seq2seq)."""
     import torch
-    from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+    from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification,
+                              LlamaConfig, LlamaForCausalLM, MarianConfig, MarianMTModel)
 
     torch.manual_seed(seed)
-    config = BertConfig(**(shape or MINILM_SHAPE), max_position_embeddings=max(length, 512),
-                        num_labels=2)
-    model = (BertForMaskedLM if head == "masked-lm" else BertForSequenceClassification)(config)
+    if head == "causal-lm":
+        config = LlamaConfig(**(shape or QWEN_SHAPE), max_position_embeddings=max(length, 512),
+                             attention_dropout=0.1, tie_word_embeddings=True)
+        model = LlamaForCausalLM(config)
+    elif head == "seq2seq":
+        config = MarianConfig(**(shape or MARIAN_SHAPE), max_position_embeddings=max(length, 512),
+                              dropout=0.1, attention_dropout=0.1, pad_token_id=0,
+                              eos_token_id=1, decoder_start_token_id=0)
+        model = MarianMTModel(config)
+    else:
+        config = BertConfig(**(shape or MINILM_SHAPE), max_position_embeddings=max(length, 512),
+                            num_labels=2)
+        model = (BertForMaskedLM if head == "masked-lm" else BertForSequenceClassification)(config)
     model.train()
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(min(1000, config.vocab_size // 2), config.vocab_size, (batch, length),
@@ -56,9 +88,16 @@ def build(head, batch, length, shape=None, seed=0):
         labels = torch.full_like(ids, -100)
         masked = torch.rand(ids.shape, generator=g) < 0.15
         labels[masked] = ids[masked]
+    elif head == "causal-lm":
+        labels = ids.clone()
+    elif head == "seq2seq":
+        labels = torch.randint(2, config.vocab_size, (batch, length), generator=g)
     else:
         labels = torch.randint(0, 2, (batch,), generator=g)
-    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    if head == "seq2seq":  # the collator's decoder inputs, as DataCollatorForSeq2Seq makes them
+        inputs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels)
+    return model, inputs
 
 
 def make_step(method, model, inputs, work):
@@ -74,11 +113,12 @@ def make_step(method, model, inputs, work):
         trainer = Trainer(model=model, args=args)
         batch = {key: torch.cat([value, value]) for key, value in inputs.items()}
     else:
-        trainer = RDropTrainer(model=model, args=args, rdrop_alpha=1.0)
+        trainer = RDropTrainer(model=model, args=args, rdrop_alpha=1.0,
+                               rdrop_fused_linear=method == "rdrop-fused")
         batch = inputs
     trainer.current_gradient_accumulation_steps = 1  # set by train()'s loop, read by the step
-    # as train() passes it: the floor's model takes it (BERT's heads ignore it)
-    items = labelled_items(batch["labels"])
+    # as train() passes it: the floor's model takes it
+    items = labelled_items(batch["labels"], causal=model.config.model_type == "llama")
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -88,7 +128,10 @@ def make_step(method, model, inputs, work):
 
 
 def measure(method, head, batch, length, steps, shape=None):
-    """One process's measurement: the median of ``steps`` timed steps after a warm-up."""
+    """One process's measurement: the median of ``steps`` timed steps after a warm-up, and
+    the peak of the live tensor bytes of one more step."""
+    from rdrop_fairseq.opcount import LiveBytes
+
     model, inputs = build(head, batch, length, shape)
     with tempfile.TemporaryDirectory() as work:
         step = make_step(method, model, inputs, work)
@@ -98,8 +141,10 @@ def measure(method, head, batch, length, steps, shape=None):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
+        with LiveBytes() as memory:
+            step()
     return {"method": method, "head": head, "seconds": statistics.median(times),
-            "times": times}
+            "times": times, "peak_mib": memory.peak / 2**20}
 
 
 def run_child(method, head, args):
@@ -114,28 +159,36 @@ def run_child(method, head, args):
 
 
 def summarise(results):
-    """Per head: each method's median over its processes, and rdrop / floor."""
+    """Per head: each method's median over its processes, and its ratios to the floor
+    (time, and peak memory)."""
     rows = []
     for head in dict.fromkeys(r["head"] for r in results):
-        per_method = {m: [r["seconds"] for r in results if r["head"] == head
-                          and r["method"] == m] for m in METHODS}
-        medians = {m: statistics.median(v) for m, v in per_method.items() if v}
-        for method, seconds in medians.items():
-            rows.append({"head": head, "method": method, "seconds": seconds,
-                         "processes": per_method[method],
-                         "ratio": seconds / medians["floor"] if "floor" in medians else None})
+        per_method = {m: [r for r in results if r["head"] == head and r["method"] == m]
+                      for m in METHODS}
+        medians = {m: (statistics.median(r["seconds"] for r in v),
+                       statistics.median(r.get("peak_mib", 0.0) for r in v))
+                   for m, v in per_method.items() if v}
+        floor = medians.get("floor")
+        for method, (seconds, peak) in medians.items():
+            rows.append({"head": head, "method": method, "seconds": seconds, "peak_mib": peak,
+                         "processes": [r["seconds"] for r in per_method[method]],
+                         "ratio": seconds / floor[0] if floor else None,
+                         "memory_ratio": peak / floor[1] if floor and floor[1] else None})
     return rows
 
 
 def markdown(rows, args):
-    out = [f"BERT of all-MiniLM-L6-v2's shape (6 x 384), batch {args.batch} x {args.length} "
-           f"tokens per pass, {args.threads} thread(s), {args.rounds} processes per method "
-           f"(alternating), {args.steps} timed steps each:", "",
-           "| head | method | s / step (median) | x floor | per process |", "|---|---|---|---|---|"]
-    names = {"floor": "floor: Trainer on [x; x]", "rdrop": "**RDropTrainer** (alpha 1)"}
+    out = [f"batch {args.batch} x {args.length} tokens per pass, {args.threads} thread(s), "
+           f"{args.rounds} processes per method (alternating), {args.steps} timed steps each:",
+           "", "| head | method | s / step (median) | x floor | peak MiB | x floor | per process |",
+           "|---|---|---|---|---|---|---|"]
+    names = {"floor": "floor: Trainer on [x; x]", "rdrop": "**RDropTrainer** (alpha 1)",
+             "rdrop-fused": "**RDropTrainer**, fused linear"}
     for r in rows:
+        memory = f"{r['memory_ratio']:.3f}" if r["memory_ratio"] is not None else "-"
         out.append(f"| {r['head']} | {names[r['method']]} | {r['seconds']:.3f} | "
-                   f"{r['ratio']:.3f} | {', '.join(f'{s:.3f}' for s in r['processes'])} |")
+                   f"{r['ratio']:.3f} | {r['peak_mib']:.0f} | {memory} | "
+                   f"{', '.join(f'{s:.3f}' for s in r['processes'])} |")
     return "\n".join(out)
 
 
@@ -165,7 +218,7 @@ def main(argv=None):
     results = []
     for head in args.heads:
         for _ in range(args.rounds):
-            for method in METHODS:
+            for method in methods_for(head):
                 results.append(run_child(method, head, args))
                 print(f"[bench_hf] {head} {method}: {results[-1]['seconds']:.3f} s",
                       file=sys.stderr, flush=True)

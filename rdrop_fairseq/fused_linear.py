@@ -47,6 +47,7 @@ from .core import (
     check_alpha_epsilon,
     chunk_budget_mb,
     chunk_bytes_per_pair,
+    chunk_rows_for,
     combine_rows,
 )
 
@@ -180,6 +181,8 @@ class _FusedLinearRDrop(torch.autograd.Function):
         grad_wb = torch.zeros((vocab, width), dtype=acc, device=device) if need_w or need_b else None
         zero = torch.zeros((), dtype=pairs.dtype, device=device)
         stats = torch.empty((5, n), dtype=acc, device=device)
+        # the torch implementation's own chunk within a block: what its passes keep in cache
+        core_rows = min(chunk_rows, chunk_rows_for(vocab, pairs, 0.0, need_grad))
         weight_t = weight.t()
         for start in range(0, n, chunk_rows):
             end = min(n, start + chunk_rows)
@@ -191,7 +194,7 @@ class _FusedLinearRDrop(torch.autograd.Function):
             if predictions is not None:
                 torch.argmax(scores, -1, out=predictions[:, start:end])
             _row_pairs(impl, scores, target[start:end], kept[start:end], need_grad,
-                       stats[:, start:end], coef)
+                       stats[:, start:end], coef, core_rows)
             if not need_grad:
                 continue
             g = logits  # now the logits' gradient, (2r, V)
@@ -235,16 +238,19 @@ class _FusedLinearRDrop(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
-def _row_pairs(impl, scores, target, kept, need_grad, stats, coef):
+def _row_pairs(impl, scores, target, kept, need_grad, stats, coef, core_rows):
     """Row statistics of ``scores`` (2, r, V) into ``stats`` (5, r); with ``need_grad``
-    their gradient over them (fp16: scaled per row pair, stats[4] undoes it)."""
+    their gradient over them (fp16: scaled per row pair, stats[4] undoes it). The torch
+    implementation walks the block ``core_rows`` row pairs at a time: a block is sized for
+    the products with the weight (at least MIN_AUTO_PAIRS pairs), the core's ~30 passes
+    over a chunk for the cache."""
     if impl == "triton":
         from .triton_kernel import rdrop_rows_triton
 
         rdrop_rows_triton(scores, target, kept, from_logits=True, need_grad=need_grad,
                           out=scores, stats=stats, fp16_target_max=FP16_TARGET_MAX, **coef)
     else:
-        _, chunk_stats = _rows_torch(scores, target, kept, True, scores.size(1), need_grad,
+        _, chunk_stats = _rows_torch(scores, target, kept, True, core_rows, need_grad,
                                      out=scores, fp16_max=FP16_TARGET_MAX, **coef)
         stats.copy_(chunk_stats)
 

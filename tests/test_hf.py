@@ -394,38 +394,50 @@ def test_a_batch_that_does_not_fit_fails_at_the_first_step_and_writes_nothing(tm
 
 
 def test_the_benchmark_times_both_steps_on_the_same_doubled_batch(tmp_path):
-    """benchmarks/bench_hf.py at a tiny shape, in this process: the floor (a plain Trainer
-    given [x; x]) and RDropTrainer (given x) each run one forward of the doubled batch and a
-    backward; the table has a row per head and method, the ratio against the head's floor."""
+    """benchmarks/bench_hf.py at tiny shapes, in this process: the floor (a plain Trainer
+    given [x; x]) and RDropTrainer (given x; from the logits, and through the fused path
+    for the language-model heads) each run one forward of the doubled batch and a backward;
+    the table has a row per head and method, the ratios (time, peak memory) against the
+    head's floor."""
     import argparse
 
     from benchmarks import bench_hf
 
-    tiny = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+    bert = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                 intermediate_size=32)
-    for head in bench_hf.HEADS:
-        for method in bench_hf.METHODS:
-            model, inputs = bench_hf.build(head, 2, 8, tiny)
-            seen = []
-            model.register_forward_pre_hook(
-                lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape),
-                with_kwargs=True)
-            step = bench_hf.make_step(method, model, inputs, tmp_path / method)
-            step()
-            assert seen == [(4, 8)], (head, method)
-            assert model.get_input_embeddings().weight.grad.abs().sum() > 0  # a backward
-    results = [bench_hf.measure(method, head, 2, 8, 2, tiny) for _ in range(2)
-               for head in bench_hf.HEADS for method in bench_hf.METHODS]
+    shapes = {"classification": bert, "masked-lm": bert,
+              "causal-lm": dict(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=1),
+              "seq2seq": dict(vocab_size=50, d_model=16, encoder_layers=1, decoder_layers=1,
+                              encoder_attention_heads=2, decoder_attention_heads=2,
+                              encoder_ffn_dim=32, decoder_ffn_dim=32)}
+    cases = [(head, method) for head in bench_hf.HEADS for method in bench_hf.methods_for(head)]
+    assert ("causal-lm", "rdrop-fused") in cases and ("classification", "rdrop-fused") not in cases
+    for head, method in cases:
+        model, inputs = bench_hf.build(head, 2, 8, shapes[head])
+        seen = []
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape),
+            with_kwargs=True)
+        step = bench_hf.make_step(method, model, inputs, tmp_path / method)
+        seen.clear()  # (the fused path's check at creation runs a small forward)
+        step()
+        assert seen == [(4, 8)], (head, method)
+        assert model.get_input_embeddings().weight.grad.abs().sum() > 0  # a backward
+    results = [bench_hf.measure(method, head, 2, 8, 2, shapes[head]) for _ in range(2)
+               for head, method in cases]
     rows = bench_hf.summarise(results)
-    assert [(r["head"], r["method"]) for r in rows] == [
-        (head, method) for head in bench_hf.HEADS for method in bench_hf.METHODS]
+    assert [(r["head"], r["method"]) for r in rows] == cases
     for r in rows:
         floor = next(f for f in rows if f["head"] == r["head"] and f["method"] == "floor")
         assert r["ratio"] == pytest.approx(r["seconds"] / floor["seconds"])
-        assert len(r["processes"]) == 2
+        assert r["memory_ratio"] == pytest.approx(r["peak_mib"] / floor["peak_mib"])
+        assert len(r["processes"]) == 2 and r["peak_mib"] > 0
     table = bench_hf.markdown(rows, argparse.Namespace(batch=2, length=8, threads=1,
                                                          rounds=2, steps=2))
-    assert table.count("| **RDropTrainer** (alpha 1) |") == 2
+    assert table.count("| **RDropTrainer** (alpha 1) |") == 4
+    assert table.count("| **RDropTrainer**, fused linear |") == 3
 
 
 def test_the_triton_kernel_gives_the_torch_implementations_loss_and_gradient():
