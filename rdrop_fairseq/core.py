@@ -52,9 +52,10 @@ AUTO_CHUNK_MB = {"cuda": 256.0, "cpu": 16.0}
 _FP16_TARGET_MAX = 2.0 ** 14
 
 # grad_fn of scores whose op keeps no copy of its output for its backward (a linear layer:
-# it saves its inputs), and of views, which are followed to their base: the gradient may be
-# written into such scores (grad_in_scores="auto"). Anything else keeps a buffer of its own.
-_OUTPUT_NOT_SAVED = ("MmBackward0", "AddmmBackward0", "BmmBackward0")
+# it saves its inputs; an added bias, as BART's and Marian's final_logits_bias: it saves
+# nothing), and of views, which are followed to their base: the gradient may be written
+# into such scores (grad_in_scores="auto"). Anything else keeps a buffer of its own.
+_OUTPUT_NOT_SAVED = ("MmBackward0", "AddmmBackward0", "BmmBackward0", "AddBackward0")
 _VIEWS = ("ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0")
 
 # Devices (e.g. "cuda:0") on which impl="auto" gave up the Triton kernel, and why: triton

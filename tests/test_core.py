@@ -1142,6 +1142,17 @@ def test_gradient_into_half_logits(dtype):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_gradient_into_logits_with_an_added_bias():
+    """BART's and Marian's logits are the projection plus final_logits_bias: an add, which
+    keeps no copy of its output either; the gradients are the separate buffer's."""
+    bias = torch.randn(300, generator=gen(212)) * 0.5
+    out, grads, overwritten = grads_through_projection("auto", producer=lambda x: x + bias)
+    want, want_grads, untouched = grads_through_projection(False, producer=lambda x: x + bias)
+    assert overwritten and not untouched
+    for got, expected in zip(list(out) + grads, list(want) + want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("producer", [torch.exp, torch.tanh, lambda x: x * 2.0],
                          ids=["exp", "tanh", "mul"])
 def test_producer_outside_the_allow_list_keeps_a_separate_buffer(producer):
