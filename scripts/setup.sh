@@ -34,6 +34,7 @@ check() {
   (cd / && MINILM_DIR=$MINILM_DIR env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -) <<'PY'
 import importlib.util, os, sys
 import matplotlib  # before fairseq, whose import sets the root logger to DEBUG
+import peft, trl  # (datasets, which trl imports, would log at DEBUG then)
 import fairseq, numpy, torch, rdrop_fairseq
 import pyarrow, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
 import tensorboardX, tokenizers, triton, xdist
@@ -44,7 +45,6 @@ if importlib.util.find_spec("torchaudio") is not None:
              "import it: pip uninstall torchaudio")
 import accelerate, transformers
 from transformers import Trainer  # the real import (transformers' top level is lazy)
-import peft, trl
 if not os.path.isfile(os.path.join(os.environ["MINILM_DIR"], "model.safetensors")):
     sys.exit(f"[setup] no MiniLM in {os.environ['MINILM_DIR']}")
 print(f"[setup] ok: torch {torch.__version__}, fairseq {fairseq.__version__}, "

@@ -233,6 +233,39 @@ def test_evaluation_and_prediction_run_one_pass_of_the_batch_as_it_is(tmp_path):
     torch.testing.assert_close(torch.as_tensor(predictions), logits)
 
 
+def accumulated_gradients(model, module, data, tmp_path, runs):
+    """For each ``(batch, steps)`` of ``runs``, from the same starting weights: the
+    gradient RDropTrainer accumulates over ``steps`` micro-batches of ``batch`` examples of
+    ``data``, just before the optimizer's step (clipping off), keyed by ``steps``. Dropout
+    must be off; a forward hook on ``module`` stands in for it (the second half of [x; x]
+    scaled and shifted), so that every run sees the same two passes and the KL is not 0."""
+
+    def second_pass_differs(module, args, out):
+        if module.training:
+            half = out.size(0) // 2
+            return torch.cat([out[:half], out[half:] * 0.5 + 0.3])
+
+    class GradientAtStep(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            self.grad = torch.cat([p.grad.flatten().clone() for p in model.parameters()
+                                   if p.grad is not None])
+
+    handle = module.register_forward_hook(second_pass_differs)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = {}
+    for batch, steps in runs:
+        model.load_state_dict(state)
+        grab = GradientAtStep()
+        trainer = RDropTrainer(model=model, args=training_args(
+            tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=steps,
+            max_grad_norm=0.0), train_dataset=data, callbacks=[grab], rdrop_alpha=1.0)
+        trainer.train()
+        grads[steps] = grab.grad
+    handle.remove()
+    model.load_state_dict(state)
+    return grads
+
+
 def test_gradient_accumulation_gives_the_gradient_of_one_batch_k_times_as_large(tmp_path):
     """Token classification, micro-batches with different numbers of labelled tokens: 2 steps
     of 4 examples accumulate the gradient of one step of 8. Dropout is off and a forward
@@ -243,34 +276,11 @@ def test_gradient_accumulation_gives_the_gradient_of_one_batch_k_times_as_large(
     labels = torch.randint(0, 4, ids.shape, generator=torch.Generator().manual_seed(5))
     labels[4:, 2:] = -100  # the second micro-batch: 2 labelled tokens an example, not 6
     data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(8)]
-
-    def second_pass_differs(module, args, out):
-        if module.training:
-            half = out.size(0) // 2
-            return torch.cat([out[:half], out[half:] * 0.5 + 0.3])
-
-    class GradientAtStep(TrainerCallback):
-        """The accumulated gradient just before the optimizer's step (clipping off)."""
-
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            self.grad = torch.cat([p.grad.flatten().clone() for p in model.parameters()
-                                   if p.grad is not None])
-
-    model.classifier.register_forward_hook(second_pass_differs)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    grads = {}
-    for batch, steps in ((8, 1), (4, 2)):
-        model.load_state_dict(state)
-        grab = GradientAtStep()
-        trainer = RDropTrainer(model=model, args=training_args(
-            tmp_path, per_device_train_batch_size=batch, gradient_accumulation_steps=steps,
-            max_grad_norm=0.0), train_dataset=data, callbacks=[grab], rdrop_alpha=1.0)
-        trainer.train()
-        grads[steps] = grab.grad
+    grads = accumulated_gradients(model, model.classifier, data, tmp_path, ((8, 1), (4, 2)))
     torch.testing.assert_close(grads[2], grads[1], rtol=1e-5, atol=1e-8)
     # what each micro-batch normalised by its own labelled tokens would give instead (the
-    # mean of the two micro-batches' losses): not that
-    model.load_state_dict(state)
+    # mean of the two micro-batches' losses; the hook is gone, so dropout-free passes, KL 0)
+    trainer = trainer_for(model, tmp_path)
     model.train()
     for half in (slice(0, 4), slice(4, 8)):
         (trainer.compute_loss(model, {"input_ids": ids[half], "labels": labels[half]}) / 2

@@ -14,9 +14,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # the floor of setup.py's hf extra, and what pip picks for them (the hub before 1.0, which
-# transformers 4 requires, and the datasets that imports with it)
+# transformers 4 requires, with requests, which that hub needs and transformers 5's does
+# not, and the datasets that imports with it)
 FLOOR = ["transformers==4.48.3", "accelerate==1.0.1", "huggingface_hub==0.36.2",
-         "tokenizers==0.21.4", "datasets==4.0.0"]
+         "tokenizers==0.21.4", "datasets==4.0.0", "requests==2.32.3", "urllib3==2.2.3",
+         "idna==3.10", "certifi==2024.8.30", "charset-normalizer==3.4.0"]
 FILES = ["tests/test_hf.py", "tests/test_hf_lm.py", "tests/test_glue_bert_recipe.py"]
 
 
