@@ -316,19 +316,21 @@ def _session(tries, backoff):
     return session
 
 
-def _get(session, url, timeouts, **kwargs):
+def _get(session, url, timeouts, method="GET", **kwargs):
     """The response, or _Answer: a connect time-out or a temporary name-lookup failure is
     worth another try; a refusal, no route or a name that does not exist is not."""
     import requests
 
     try:
-        return session.get(url, timeout=timeouts, **kwargs)
+        return session.request(method, url, timeout=timeouts, **kwargs)
     except requests.RequestException as e:
         cause = _unreachable(e)
         if cause is None:
             raise _Answer(f"no answer ({e.__class__.__name__}: {_causes(e)[-1]})") from None
-        again = not isinstance(cause, OSError) or cause.errno == socket.EAI_AGAIN
-        raise _Answer(f"no connection ({cause})", again, cause) from None
+        timeout = type(cause).__name__ in ("ConnectTimeoutError", "ConnectTimeout")
+        again = timeout or isinstance(cause, socket.gaierror) and cause.errno == socket.EAI_AGAIN
+        why = f"within {timeouts[0]:g} s" if timeout else cause
+        raise _Answer(f"no connection ({why})", again, cause) from None
 
 
 def _progress(name, total, done):
@@ -441,7 +443,7 @@ def _from_urls(urls, out, partial, expected, size, retries, backoff, timeout, hu
             before = partial.stat().st_size if partial.exists() else 0
             try:
                 if hub:  # its host answers at all (huggingface_hub would retry for long)
-                    _get(session, url, timeouts, stream=True, allow_redirects=False).close()
+                    _get(session, url, timeouts, "HEAD", allow_redirects=False).close()
                     return _from_hub(hub, out, expected, size)
                 say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})"
                                                  if before else ""))
