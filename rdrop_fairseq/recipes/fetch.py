@@ -547,6 +547,8 @@ def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=None, retries=
         check_digest("md5", md5) if md5 else recorded(out))
     if retries < 1:
         raise BadInput(f"--retries must be 1 or more, not {retries}")
+    seconds("RDROP_FETCH_CONNECT_TIMEOUT", 10.0)  # a bad value: refused before anything
+    seconds("RDROP_FETCH_READ_TIMEOUT", 30.0)
     if dry_run():  # no hashing either: a dry run reads nothing
         mirrors = f" (mirrors: {' '.join(urls[1:])})" if len(urls) > 1 else ""
         there = " (there already)" if out.is_file() else ""
@@ -563,8 +565,6 @@ def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=None, retries=
         raise NoNetwork(f"no network ({_no_network}): {missing}", missing)
     if not urls:
         raise FetchError(f"no URL for {out}")
-    seconds("RDROP_FETCH_CONNECT_TIMEOUT", 10.0)  # a bad value: refused before anything
-    seconds("RDROP_FETCH_READ_TIMEOUT", 30.0)
     if hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         raise FetchError(f"HF_HUB_OFFLINE=1 and {missing}", missing)
     partial = out.with_name(out.name + ".partial")
@@ -595,7 +595,7 @@ def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=None, retries=
     reasons = "; ".join(f"{url}: {answer}" for url, answer in tried)
     hint = f", or {local_hint}" if local_hint else ""
     if all(answer.unreachable is not None for _, answer in tried):
-        _no_network = str(tried[-1][1].unreachable)
+        _no_network = f"{tried[-1][0]}: {tried[-1][1]}"
         raise NoNetwork(f"cannot fetch {out.name}: {reasons}. No host could be reached; as "
                         f"with OFFLINE=1: {missing}{hint}", missing)
     raise FetchError(f"cannot fetch {out.name}: {reasons}. Fetch it by hand ({by_hand}){hint}")
