@@ -12,7 +12,8 @@
 # default for De<->En: fetched from fairseq's IWSLT14 mirror into DOWNLOADS, for En<->Zh from
 # the Hugging Face hub's IWSLT17 zip; En<->Fr and En<->Es have no live source: docs/data.md),
 # OFFLINE, DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, SEED,
-# GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).
+# GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+# FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
 # of the Python module).
 source "$(dirname "$0")/lib/common.sh"

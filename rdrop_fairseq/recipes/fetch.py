@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Download the recipes' inputs: pinned, verified, resumed after a cut, with progress.
 
-    python -m rdrop_fairseq.recipes.fetch [--sha256 HEX | --md5 HEX] [--record] --out FILE URL [URL ...]
-    python -m rdrop_fairseq.recipes.fetch --dir DOWNLOADS [--record] NAME[=DEST] [NAME[=DEST] ...]
+    python -m rdrop_fairseq.recipes.fetch [--sha256 HEX | --md5 HEX] [--record] \\
+        --out FILE URL [URL ...]
+    python -m rdrop_fairseq.recipes.fetch --dir DOWNLOADS [--record] NAME[=DEST] ...
     python -m rdrop_fairseq.recipes.fetch --list          # the source table, as docs/data.md prints it
 
 The first form fetches one file from the first URL that serves it. The second fetches the
