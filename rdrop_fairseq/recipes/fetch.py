@@ -28,11 +28,13 @@ How a file is fetched from other hosts (requests and urllib3):
   ``Content-Encoding: gzip`` is not unpacked);
 * each try waits ``RDROP_FETCH_CONNECT_TIMEOUT`` seconds (default 10) to connect and
   ``RDROP_FETCH_READ_TIMEOUT`` (default 30; ``--timeout``) for data; 5xx and 429 answers,
-  time-outs and temporary name-lookup failures are tried again with back-off (a 429's or
-  503's ``Retry-After`` is honoured), ``--retries`` tries in all, then the next URL;
+  time-outs and temporary name-lookup failures are tried again by urllib3's Retry, with
+  back-off (a 429's or 503's ``Retry-After`` is honoured), ``--retries`` tries in all,
+  then the next URL;
 * into ``FILE.partial``, resumed with a Range request and ``If-Range`` (the partial file's
   ETag or Last-Modified): a file that changed meanwhile is fetched afresh, never spliced;
-  Ctrl-C and a full disk keep the partial file for the next run;
+  a download cut after some bytes resumes at once; Ctrl-C and a full disk keep the
+  partial file for the next run;
 * 403, 404 and other refusals move to the next URL at once; so does a host that cannot be
   reached (refused, no route, a name that does not exist). When no URL of a file can be
   reached the machine is taken to be offline: the error names every missing file, where it
@@ -63,10 +65,17 @@ import shutil
 import socket
 import sys
 import tarfile
-import time
 import urllib.parse
 import zipfile
 from pathlib import Path
+
+import requests
+import urllib3
+from filelock import FileLock, Timeout
+from tqdm import tqdm
+from urllib3.exceptions import (ConnectTimeoutError, MaxRetryError, NameResolutionError,
+                                NewConnectionError, ProxyError)
+from urllib3.util.retry import Retry
 
 from .common import ArgumentParser, dry_run
 
@@ -75,8 +84,6 @@ USER_AGENT = "rdrop-fairseq-fetch/1.0 (+https://pypi.org/project/rdrop-fairseq/)
 HUB = "https://huggingface.co"
 CHUNK = 1 << 20
 DIGESTS = {"sha256": 64, "md5": 32}
-_NO_ROUTE = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN,
-             errno.ENETDOWN)
 
 
 class FetchError(Exception):
@@ -109,7 +116,6 @@ def say(message):
 
 
 def human(n):
-    from tqdm import tqdm
     return tqdm.format_sizeof(n, "B", 1000)
 
 
@@ -228,21 +234,14 @@ def _verify(path, expected, size, url, name):
 # ------------------------------------------------------------------------ folders, locks
 
 
-@contextlib.contextmanager
 def locked(path):
-    """Hold the lock ``.NAME.lock`` beside ``path`` (filelock): two runs take turns."""
-    from filelock import FileLock, Timeout
-
+    """The lock ``.NAME.lock`` beside ``path`` (filelock), held: two runs take turns."""
     lock = FileLock(str(path.with_name(f".{path.name}.lock")))
     try:
-        lock.acquire(timeout=0)
+        return lock.acquire(timeout=0)
     except Timeout:
         say(f"waiting for another run fetching or making {path}")
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
+        return lock.acquire()
 
 
 def make_folder(folder):
@@ -274,79 +273,65 @@ def remove_made(made, *lock_of):
 
 
 class _Answer(Exception):
-    """What one try at a URL answered. ``retry``: worth another try at the same URL;
-    ``unreachable``: the cause, when no connection was made."""
+    """Why a URL did not serve the file; ``cut``: after some bytes (resumed at once);
+    ``unreachable``: why no connection was made."""
 
-    def __init__(self, text, retry=False, unreachable=None):
+    def __init__(self, text, cut=False, unreachable=None):
         super().__init__(text)
-        self.retry, self.unreachable = retry, unreachable
+        self.cut, self.unreachable = cut, unreachable
 
 
-def _causes(error):
-    """``error`` and what caused it, through requests', urllib3's and httpx's wrappers."""
-    seen, todo = [], [error]
-    while todo:
-        e = todo.pop()
-        if isinstance(e, BaseException) and not any(e is s for s in seen):
-            seen.append(e)
-            todo += [getattr(e, "reason", None), e.__cause__, e.__context__, *e.args[:1]]
-    return seen
+class _Retry(Retry):
+    """urllib3's Retry, but a refusal, no route or a name that does not exist (not a
+    temporary look-up failure) is not tried again."""
+
+    def increment(self, method=None, url=None, *args, error=None, **kwargs):
+        cause = getattr(error, "original_error", error)  # through a proxy
+        if isinstance(cause, NewConnectionError) and getattr(
+                cause.__cause__, "errno", None) != socket.EAI_AGAIN:
+            raise MaxRetryError(kwargs.get("_pool"), url, error)
+        return super().increment(method, url, *args, error=error, **kwargs)
 
 
-def _unreachable(error):
-    """The cause when ``error`` means no connection was made (refused, no route, a name
-    that does not resolve, no connection within the time-out), else None."""
-    return next((e for e in _causes(error) if isinstance(e, socket.gaierror) or (
-        isinstance(e, OSError) and e.errno in _NO_ROUTE) or type(e).__name__ in (
-        "ConnectTimeoutError", "ConnectTimeout")), None)
-
-
-def _session(tries, backoff):
-    """requests with urllib3's Retry: ``tries`` tries on 5xx and 429 (Retry-After honoured)
-    and read time-outs; connections are tried again by _from_urls, which knows why."""
-    import requests
-    from urllib3.util.retry import Retry
-
-    adapter = requests.adapters.HTTPAdapter(max_retries=Retry(
-        total=tries - 1, connect=0, backoff_factor=backoff, raise_on_status=False,
-        status_forcelist=(429, 500, 502, 503, 504), respect_retry_after_header=True))
+def _open(url, retry, timeouts, method="GET", **kwargs):
+    """requests' answer once urllib3's ``retry`` has done what it may (5xx, 429 and its
+    Retry-After, time-outs); _Answer when there is none."""
     session = requests.Session()
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
     session.headers.update({"User-Agent": USER_AGENT, "Accept-Encoding": "identity"})
-    return session
-
-
-def _get(session, url, timeouts, method="GET", **kwargs):
-    """The response, or _Answer: a connect time-out or a temporary name-lookup failure is
-    worth another try; a refusal, no route or a name that does not exist is not."""
-    import requests
-
+    for prefix in ("http://", "https://"):
+        session.mount(prefix, requests.adapters.HTTPAdapter(max_retries=retry))
     try:
         return session.request(method, url, timeout=timeouts, **kwargs)
     except requests.RequestException as e:
-        cause = _unreachable(e)
-        if cause is None:
-            raise _Answer(f"no answer ({e.__class__.__name__}: {_causes(e)[-1]})") from None
-        timeout = type(cause).__name__ in ("ConnectTimeoutError", "ConnectTimeout")
-        again = timeout or isinstance(cause, socket.gaierror) and cause.errno == socket.EAI_AGAIN
-        why = f"within {timeouts[0]:g} s" if timeout else cause
-        raise _Answer(f"no connection ({why})", again, cause) from None
+        why = getattr(e.args[0] if e.args else None, "reason", e)
+        if not isinstance(why, (ConnectTimeoutError, ProxyError)):
+            raise _Answer(f"no answer ({why})") from None
+        text = f"within {timeouts[0]:g} s" if type(why) is ConnectTimeoutError else why
+        raise _Answer(f"no connection ({text})", unreachable=why) from None
 
 
-def _progress(name, total, done):
+class _Log:
+    """Where tqdm writes in a log: a line of its own each time, not one rewritten."""
+
+    def write(self, text):
+        return text.strip() and say(text.strip())
+
+    def flush(self):
+        pass
+
+
+def _bar(name, total, have):
     """tqdm's bar on a terminal; in a log, a line at every tenth of the file."""
-    from tqdm import tqdm
-
-    class Lines:  # tqdm rewrites its line with \r: a line of its own each time instead
-        write, flush = (lambda self, text: text.strip() and say(text.strip())), (lambda self: 0)
-
     log = {} if sys.stderr.isatty() else dict(
-        file=Lines(), mininterval=0, miniters=max((total or 10 ** 9) // 10, 1),
+        file=_Log(), mininterval=0, miniters=max((total or 10 ** 9) // 10, 1),
         bar_format="{desc}: " + ("{percentage:.0f} % ({n_fmt}B of {total_fmt}B, {rate_fmt}, "
                                  "{remaining} left)" if total else "{n_fmt}B ({rate_fmt})"))
-    return tqdm(total=total, initial=done, unit="B", unit_scale=True, unit_divisor=1000,
+    return tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1000,
                 desc=name, **{"file": sys.stderr, **log})
+
+
+def _size(path):
+    return path.stat().st_size if path.exists() else 0
 
 
 def _restart(partial):
@@ -354,125 +339,108 @@ def _restart(partial):
     partial.with_name(partial.name + ".validator").unlink(missing_ok=True)
 
 
-def _try_url(session, url, partial, name, timeouts, unverifiable):
-    """Fetch ``url`` into ``partial``, resuming from its bytes if the file is unchanged
-    (If-Range). Returns on a complete body, else raises _Answer. ``unverifiable``: nothing
-    will check the file, so a body whose end cannot be told from a cut is refused."""
-    have = partial.stat().st_size if partial.exists() else 0
-    validator = partial.with_name(partial.name + ".validator")
-    headers = {"Range": f"bytes={have}-"} if have else {}
-    if have and validator.is_file():
-        headers["If-Range"] = validator.read_text()
-    with _get(session, url, timeouts, headers=headers, stream=True) as resp:
-        if resp.status_code == 416 and have:
-            if resp.headers.get("Content-Range", "").endswith(f"/{have}"):
-                return  # the partial file is complete (a run killed after it)
-            _restart(partial)
-            raise _Answer("416 for the partial file's range: starting afresh", retry=True)
+def _download(url, partial, name, retry, timeouts, unverifiable):
+    """``url`` into ``partial``, resumed with Range and If-Range (the ETag or Last-Modified
+    of its first answer): a file that changed meanwhile, or a server that ignores Range,
+    sends the whole file, which starts afresh. Returns ``partial`` whole, else _Answer.
+    ``unverifiable``: nothing will check the file, so a body whose end cannot be told from
+    a cut is refused."""
+    have, validator = _size(partial), partial.with_name(partial.name + ".validator")
+    headers = {"Range": f"bytes={have}-",
+               "If-Range": validator.read_text() if validator.is_file() else None}
+    with _open(url, retry, timeouts, headers=headers if have else {}, stream=True) as resp:
+        rng = resp.headers.get("Content-Range", "")
+        if have and resp.status_code in (206, 416) and not rng.startswith(f"bytes {have}-"):
+            if rng.endswith(f"/{have}"):
+                return partial  # whole already (a run killed after it)
+            _restart(partial)  # another range: afresh
+            return _download(url, partial, name, retry, timeouts, unverifiable)
         if resp.status_code >= 400:
             raise _Answer(f"{resp.status_code} {resp.reason}")
-        length = int(resp.headers.get("Content-Length", "x")) if resp.headers.get(
-            "Content-Length", "").isdigit() else None
-        if resp.status_code == 206 and not resp.headers.get("Content-Range", "").startswith(
-                f"bytes {have}-"):
-            _restart(partial)  # a range we did not ask for
-            raise _Answer(f"206 for another range ({resp.headers.get('Content-Range')})", True)
         if resp.status_code != 206:
             if have:
-                say(f"{name}: the whole file was sent (it changed since the partial download, "
-                    "or the server ignores Range): starting afresh")
+                say(f"{name}: the file changed, or the server ignores Range: starting afresh")
             _restart(partial)
-            have, etag = 0, resp.headers.get("ETag", "")
-            if etag and not etag.startswith("W/") or resp.headers.get("Last-Modified"):
-                validator.write_text(etag if etag and not etag.startswith("W/") else
-                                     resp.headers["Last-Modified"])
-        total = None if length is None else have + length
+            have, etag = 0, resp.headers.get("ETag", "W/")  # a weak ETag is not for If-Range
+            if etag[:2] != "W/" or "Last-Modified" in resp.headers:
+                validator.write_text(etag if etag[:2] != "W/" else resp.headers["Last-Modified"])
+        length = resp.headers.get("Content-Length", "")
+        total = have + int(length) if length.isdigit() else None
         if total is None and unverifiable and "chunked" not in resp.headers.get(
                 "Transfer-Encoding", ""):
             raise _Answer("no Content-Length, and no checksum to tell the whole file from a "
                           "cut one")
-        html = not name.endswith((".html", ".htm"))
-        if html and resp.headers.get("Content-Type", "").split(";")[0].strip() == "text/html":
-            raise _Answer("an HTML page (Content-Type text/html), not the file")
-        done = have
+        ctype = resp.headers.get("Content-Type", "")
+        html = not name.endswith((".html", ".htm"))  # a login or quota page is not the file
         # unbuffered: what write() returned is on disk (a full disk loses nothing)
-        with _progress(name, total, have) as bar, open(partial, "ab", buffering=0) as f:
-            while True:
-                try:  # as served: a .tar.gz sent with Content-Encoding: gzip stays gzipped
-                    block = resp.raw.read1(CHUNK, decode_content=False)
-                except Exception as e:  # urllib3's and the socket's: a cut or a stall
-                    what = "timed out" if "timed out" in str(e) else "cut"
-                    raise _Answer(f"{what} after {human(done)} ({_causes(e)[-1]})", True) \
-                        from None
-                if not block:
-                    break
-                if html and done == 0 and _looks_like_html(block[:64]):
-                    raise _Answer("an HTML page, not the file")
-                try:
+        with open(partial, "ab", buffering=0) as f, _bar(name, total, have) as bar:
+            try:  # as served: a .tar.gz sent with Content-Encoding: gzip stays gzipped
+                for block in iter(lambda: resp.raw.read1(CHUNK, decode_content=False), b""):
+                    if html and bar.n == 0 and (ctype.startswith("text/html") or block.lstrip()[
+                            :15].lower().startswith((b"<!doctype html", b"<html"))):
+                        raise _Answer("an HTML page, not the file")
                     view = memoryview(block)
                     while view:
                         view = view[f.write(view):]
-                except OSError as e:
-                    if e.errno != errno.ENOSPC:
-                        raise
-                    raise FetchError(f"the disk is full: {partial} holds "
-                                     f"{human(os.path.getsize(partial))} so far; free space and "
-                                     "run again: the download resumes from there") from None
-                done += len(block)
-                bar.update(len(block))
-    if total is not None and done < total:
-        raise _Answer(f"cut after {human(done)} of {human(total)}", retry=True)
-    if total is not None and partial.stat().st_size != total:
-        _restart(partial)  # written to by something else meanwhile
-        raise _Answer(f"{partial} does not hold the {total} bytes received", retry=True)
+                    bar.update(len(block))
+            except urllib3.exceptions.HTTPError as e:  # a cut, a stall
+                raise _Answer(f"cut after {human(bar.n)} ({e})", cut=True) from None
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise FetchError(f"the disk is full: {partial} holds {human(_size(partial))} so "
+                                 "far; free space and run again: the download resumes from "
+                                 "there") from None
+    return partial
 
 
-def _looks_like_html(head):
-    return head.lstrip()[:15].lower().startswith((b"<!doctype html", b"<html"))
+def _from_hub(url, hub, out, retry, timeouts):
+    """``hub``'s file through huggingface_hub (resumed, at the pinned revision) into a folder
+    beside ``out``, once the hub answers at all (huggingface_hub would retry for long)."""
+    _open(url, retry, timeouts, "HEAD", allow_redirects=False).close()
+    try:
+        from huggingface_hub import hf_hub_download
+        return Path(hf_hub_download(
+            hub["repo"], hub["path"], repo_type=hub.get("type"), revision=hub["revision"],
+            local_dir=out.parent / ".hub" / hub["repo"].replace("/", "--"),
+            endpoint=os.environ.get("HF_ENDPOINT") or None, user_agent=USER_AGENT))
+    except ImportError:
+        raise _Answer("fetching from the Hugging Face hub needs huggingface_hub: pip install "
+                      "'rdrop-fairseq[hf]'") from None
+    except Exception as e:  # huggingface_hub's, httpx's and the OS's
+        raise _Answer(f"{type(e).__name__}: {str(e).partition(chr(10))[0]}") from None
 
 
-def _from_urls(urls, out, partial, expected, size, retries, backoff, timeout, hub=None):
-    """``out`` from the first of ``urls`` that serves it (``hub``: through huggingface_hub
-    once its host answers), verified; returns ``[(url, _Answer)]``: why each URL failed
-    (empty when ``out`` is there). A try that got bytes does not count."""
+def _from_urls(urls, out, partial, expected, size, tries, backoff, timeout, hub):
+    """``out`` from the first of ``urls`` that serves it (``hub``: through huggingface_hub),
+    verified; returns ``[(url, _Answer)]``: why each URL failed (empty: ``out`` is there)."""
     timeouts = (seconds("RDROP_FETCH_CONNECT_TIMEOUT", 10.0),
                 timeout or seconds("RDROP_FETCH_READ_TIMEOUT", 30.0))
-    tried, lookups = [], True  # after one host's failed look-ups, the others' are tried once
+    tried = []
     for url in urls:
-        session, fails = _session(retries, backoff), 0
-        while True:
-            before = partial.stat().st_size if partial.exists() else 0
+        # once a host's name did not resolve, the others' connections are tried once
+        lookups = not any(isinstance(a.unreachable, NameResolutionError) for _, a in tried)
+        retry = _Retry(total=tries - 1, connect=None if lookups else 0, backoff_factor=backoff,
+                       status_forcelist=(429, 500, 502, 503, 504), raise_on_status=False)
+        answer = None
+        while answer is None or answer.cut and _size(partial) > before:
+            before = _size(partial)
+            say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})" if before else ""))
             try:
-                if hub:  # its host answers at all (huggingface_hub would retry for long)
-                    _get(session, url, timeouts, "HEAD", allow_redirects=False).close()
-                    return _from_hub(hub, out, expected, size)
-                say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})"
-                                                 if before else ""))
-                _try_url(session, url, partial, out.name, timeouts,
-                         unverifiable=expected is None and size is None)
-            except _Answer as answer:
-                progressed = (partial.stat().st_size if partial.exists() else 0) > before
-                fails = 0 if progressed else fails + 1
-                lookup = isinstance(answer.unreachable, socket.gaierror)
-                if not answer.retry or fails >= retries or (lookup and not lookups):
-                    tried.append((url, answer))
-                    lookups = lookups and not lookup
-                    break
-                delay = backoff * 2 ** fails
-                say(f"{out.name}: {answer}; trying again in {delay:.1f} s")
-                time.sleep(delay)
+                path = _from_hub(url, hub, out, retry, timeouts) if hub else _download(
+                    url, partial, out.name, retry, timeouts, expected is None and size is None)
+            except _Answer as e:
+                say(f"{out.name}: {e}")
+                answer = e
                 continue
-            problem = _verify(partial, expected, size, url, out.name)
-            if problem is not None:
-                bad = out.with_name(out.name + ".bad")
-                os.replace(partial, bad)
-                tried.append((url, _Answer(f"{problem} (kept as {bad})")))
-            else:
-                os.replace(partial, out)
+            problem, bad = _verify(path, expected, size, url, out.name), out.with_name(
+                out.name + ".bad")
+            os.replace(path, bad if problem else out)
             _restart(partial)
-            if problem is None:
+            if not problem:
                 return []
-            break
+            answer = _Answer(f"{problem} (kept as {bad})")
+        tried.append((url, answer))
     return tried
 
 
@@ -483,40 +451,6 @@ def hub_url(hub, path, endpoint=None):
     kind = {"dataset": "datasets/", "space": "spaces/"}.get(hub.get("type", "model"), "")
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or HUB).rstrip("/")
     return f"{endpoint}/{kind}{hub['repo']}/resolve/{hub['revision']}/{path}"
-
-
-def _from_hub(hub, out, expected, size):
-    """``out`` from the Hugging Face hub (huggingface_hub: resumed, at the pinned revision),
-    verified; returns the reasons it failed (empty when ``out`` is there)."""
-    url = hub_url(hub, hub["path"])
-    try:
-        from huggingface_hub import hf_hub_download
-    except ImportError:
-        return [(url, _Answer("fetching from the Hugging Face hub needs huggingface_hub: "
-                              "pip install 'rdrop-fairseq[hf]'"))]
-    staging = out.parent / ".hub" / hub["repo"].replace("/", "--")
-    say(f"{out.name}: from {url}")
-    try:
-        path = Path(hf_hub_download(hub["repo"], hub["path"], repo_type=hub.get("type"),
-                                    revision=hub["revision"], local_dir=staging,
-                                    endpoint=os.environ.get("HF_ENDPOINT") or None,
-                                    user_agent=USER_AGENT))
-    except Exception as e:  # huggingface_hub's, httpx's and the OS's
-        if any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in _causes(e)):
-            raise FetchError(f"the disk is full while fetching {out.name} into {staging}: free "
-                             "space and run again: the download resumes from there") from None
-        cause = _unreachable(e)
-        if cause is not None:
-            return [(url, _Answer(f"no connection ({cause})", unreachable=True))]
-        status = getattr(getattr(e, "response", None), "status_code", None)
-        return [(url, _Answer(f"{status or e.__class__.__name__}: {str(e).splitlines()[0]}"))]
-    problem = _verify(path, expected, size, url, out.name)
-    if problem is not None:
-        bad = out.with_name(out.name + ".bad")
-        os.replace(path, bad)
-        return [(url, _Answer(f"{problem} (kept as {bad})"))]
-    os.replace(path, out)
-    return []
 
 
 # ------------------------------------------------------------------------ one file
@@ -568,9 +502,8 @@ def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=None, retries=
         raise FetchError(f"no URL for {out}")
     if hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         raise FetchError(f"HF_HUB_OFFLINE=1 and {missing}", missing)
-    partial = out.with_name(out.name + ".partial")
-    made = make_folder(out.parent)
-    tried = []
+    partial, bad = out.with_name(out.name + ".partial"), out.with_name(out.name + ".bad")
+    made, tried = make_folder(out.parent), []
     try:
         with locked(out):
             if out.is_file():  # fetched by the run we waited for
@@ -578,18 +511,17 @@ def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=None, retries=
             tried = _from_urls(urls, out, partial, expected, size, retries, backoff, timeout,
                                hub)
             if not tried:
-                out.with_name(out.name + ".bad").unlink(missing_ok=True)
+                bad.unlink(missing_ok=True)
                 if expected is None and record:
                     record_first_seen(out)
                 say(f"{out} fetched" + (f", {expected[0]} verified" if expected else ""))
                 return out
     except KeyboardInterrupt:
-        if partial.exists() and partial.stat().st_size:
-            say(f"interrupted: {partial} keeps {human(partial.stat().st_size)}; "
-                "run again to resume")
+        if _size(partial):
+            say(f"interrupted: {partial} keeps {human(_size(partial))}; run again to resume")
         raise
     finally:
-        if partial.exists() and not partial.stat().st_size:
+        if not _size(partial):
             _restart(partial)
         if not out.is_file():
             remove_made(made, out)  # only where empty: nothing else is left behind
@@ -863,7 +795,8 @@ def main(argv=None):
                    help="seconds without data before a try counts as timed out (default: "
                         "RDROP_FETCH_READ_TIMEOUT, else 30)")
     p.add_argument("--retries", type=int, default=3,
-                   help="tries per URL on 5xx, 429, time-outs and cuts (default 3)")
+                   help="tries per URL on 5xx, 429, time-outs and temporary name-lookup "
+                        "failures (default 3); a download cut after some bytes resumes")
     a = p.parse_args(argv)
     if a.list:
         print(markdown_table(), end="")
