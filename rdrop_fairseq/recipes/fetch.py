@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Download the recipes' inputs: pinned, verified, resumed after a cut, with progress.
 
-    python -m rdrop_fairseq.recipes.fetch [--sha256 HEX | --md5 HEX] [--record] \\
+    python -m rdrop_fairseq.recipes.fetch [--sha256 HEX | --md5 HEX | --sha1 HEX] [--record] \\
         --out FILE URL [URL ...]
     python -m rdrop_fairseq.recipes.fetch --dir DOWNLOADS [--record] NAME[=DEST] ...
     python -m rdrop_fairseq.recipes.fetch --list          # the source table, as docs/data.md prints it
@@ -12,14 +12,15 @@ JSON file that ``RDROP_SOURCES`` names) into DOWNLOADS, and with ``=DEST`` makes
 them with the maker that the table names (``copy``, ``unpack``, or ``module:function``).
 The recipe scripts' ``prepare`` stages run it.
 
-Every file of the table is pinned: its SHA-256 (or MD5) and size from a public record, or,
-where no public record exists (fairseq's model tarballs), a ``no_public_record`` field that
-says so, and then the file is checked for being whole: its size as served, and an archive
-read to its end. Files on the Hugging Face hub come through ``huggingface_hub`` at a pinned
-revision. Nothing appears under FILE unless verified; a download that fails verification
-is kept as ``FILE.bad``, never resumed from. ``--record`` pins a file that has no public
-record: the SHA-256 of its first download is written to ``FILE.sha256`` and checked on
-later runs (without ``--record`` nothing is pinned after the fact).
+Every file of the table is pinned: its SHA-256 (or the MD5 or SHA-1 a record gives) and
+size from a public record, or, where no public record exists (fairseq's model tarballs), a
+``no_public_record`` field that says so, and then the file is checked for being whole: its
+size as served, and an archive read to its end. Files on the Hugging Face hub come through
+``huggingface_hub`` at a pinned revision. Nothing appears under FILE unless verified; a
+download that fails verification is kept as ``FILE.bad``, never resumed from. ``--record``
+pins a file that has no public record: the SHA-256 of its first download is written to
+``FILE.sha256`` and checked on later runs (without ``--record`` nothing is pinned after
+the fact).
 
 How a file is fetched from other hosts (requests and urllib3):
 
@@ -83,7 +84,7 @@ TABLE = Path(__file__).with_name("sources.json")
 USER_AGENT = "rdrop-fairseq-fetch/1.0 (+https://pypi.org/project/rdrop-fairseq/)"
 HUB = "https://huggingface.co"
 CHUNK = 1 << 20
-DIGESTS = {"sha256": 64, "md5": 32}
+DIGESTS = {"sha256": 64, "md5": 32, "sha1": 40}
 
 
 class FetchError(Exception):
@@ -148,7 +149,7 @@ def check_digest(algorithm, value, where=None):
     """``(algorithm, lower-case hex)``, or BadInput saying what is wrong (``where``: the file
     the value was read from; default: the option)."""
     if algorithm not in DIGESTS:
-        raise BadInput(f"unknown checksum {algorithm!r}: give sha256 or md5")
+        raise BadInput(f"unknown checksum {algorithm!r}: give {', '.join(DIGESTS)}")
     value = value.strip().lower()
     if len(value) != DIGESTS[algorithm] or any(c not in "0123456789abcdef" for c in value):
         raise BadInput(f"{where or '--' + algorithm} must hold {DIGESTS[algorithm]} hex "
@@ -456,7 +457,7 @@ def hub_url(hub, path, endpoint=None):
 # ------------------------------------------------------------------------ one file
 
 
-def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=None, retries=3,
+def fetch(urls, out, *, sha256=None, md5=None, sha1=None, size=None, timeout=None, retries=3,
           backoff=0.5, local_hint=None, record=False, hub=None):
     """Fetch ``out`` from the first of ``urls`` that serves it (``hub``: from the Hugging
     Face hub, ``{"repo", "type", "revision", "path"}``; see the module's docstring);
@@ -476,10 +477,10 @@ def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=None, retries=
     for parent in out.parents:
         if parent.exists() and not parent.is_dir():
             raise BadInput(f"{parent} is a file, not a folder")
-    if sha256 and md5:
-        raise BadInput("give one checksum: --sha256 or --md5")
-    expected = check_digest("sha256", sha256) if sha256 else (
-        check_digest("md5", md5) if md5 else recorded(out))
+    given = {k: v for k, v in (("sha256", sha256), ("md5", md5), ("sha1", sha1)) if v}
+    if len(given) > 1:
+        raise BadInput("give one checksum: --sha256, --md5 or --sha1")
+    expected = check_digest(*given.popitem()) if given else recorded(out)
     if retries < 1:
         raise BadInput(f"--retries must be 1 or more, not {retries}")
     seconds("RDROP_FETCH_CONNECT_TIMEOUT", 10.0)  # a bad value: refused before anything
@@ -589,7 +590,7 @@ def load_sources(path=None):
                                  "hub)")
             if not ((_checksum_of(f) and f.get("size")) or f.get("no_public_record")):
                 raise FetchError(f"{path}: {name}'s {f['name']} is not pinned: give its sha256 "
-                                 "(or md5) and size, or say in no_public_record why none is "
+                                 "(or md5, sha1) and size, or say in no_public_record why none is "
                                  "known")
     return table
 
@@ -786,6 +787,7 @@ def main(argv=None):
     check = p.add_mutually_exclusive_group()
     check.add_argument("--sha256", help="the file's SHA-256 (with --out)")
     check.add_argument("--md5", help="the file's MD5 (with --out)")
+    check.add_argument("--sha1", help="the file's SHA-1 (with --out)")
     p.add_argument("--record", action="store_true",
                    help="pin a file without a public checksum by the SHA-256 of its first "
                         "download (FILE.sha256, checked on later runs)")
@@ -807,11 +809,12 @@ def main(argv=None):
         p.error("nothing to fetch: give URLs (with --out) or source names (with --dir)")
     try:
         if a.out:
-            fetch(a.items, a.out, sha256=a.sha256, md5=a.md5, timeout=a.timeout,
+            fetch(a.items, a.out, sha256=a.sha256, md5=a.md5, sha1=a.sha1, timeout=a.timeout,
                   retries=a.retries, record=a.record)
             return
-        if a.sha256 or a.md5:
-            p.error("--sha256/--md5 go with --out; the table holds the sources' checksums")
+        if a.sha256 or a.md5 or a.sha1:
+            p.error("--sha256/--md5/--sha1 go with --out; the table holds the sources' "
+                    "checksums")
         table = load_sources()
         errors = []
         for item in a.items:
