@@ -26,10 +26,14 @@ setup(
         # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check;
         # safetensors + tokenizers: the Hugging Face BERT converter, convert_hf_bert;
         # pyarrow: CNN/DailyMail's parquet files (26 needs NumPy 2; fairseq pins NumPy 1);
-        # tqdm: the downloads' progress bar)
+        # the downloader, rdrop_fairseq.recipes.fetch: requests and urllib3 (retries,
+        # time-outs, resumes; tested with requests 2.34.2, urllib3 2.8.0), filelock (runs take
+        # turns; 4.3.1), tqdm (progress); files on the Hugging Face hub need huggingface_hub,
+        # which the "hf" extra brings with transformers)
         "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8", "sentencepiece>=0.1.99",
                     "rouge-score>=0.1.2", "matplotlib>=3.5", "tokenizers>=0.13",
-                    "safetensors>=0.4", "pyarrow>=12,<26", "tqdm>=4"],
+                    "safetensors>=0.4", "pyarrow>=12,<26", "tqdm>=4", "requests>=2.34",
+                    "urllib3>=2.8", "filelock>=4.3"],
         # fairseq's --tensorboard-logdir; without it every fairseq command logs
         # "Please install tensorboardX" (fairseq/tasks/text_to_speech.py, at import)
         "tensorboard": ["tensorboardX>=2.1"],

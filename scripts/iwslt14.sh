@@ -9,10 +9,11 @@
 #   GPUS=4 DRY_RUN=1 bash scripts/iwslt14.sh train        # print the commands only
 #
 # Environment: SRC, TGT (default de, en), ARCHIVE (the pair's IWSLT archive, a path or URL;
-# default for De<->En: fetched from fairseq's IWSLT14 mirror into DOWNLOADS; the other pairs
-# have no live source: docs/data.md), OFFLINE, DATA_DIR, SAVE_DIR, MODE (rdrop, baseline,
-# no-kl, doubled-batch), ALPHA, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES,
-# NODE_RANK, MASTER_ADDR, MASTER_PORT, FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).
+# default for De<->En: fetched from fairseq's IWSLT14 mirror into DOWNLOADS, for En<->Zh from
+# the Hugging Face hub's IWSLT17 zip; En<->Fr and En<->Es have no live source: docs/data.md),
+# OFFLINE, DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, SEED,
+# GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+# FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
 # of the Python module).
 source "$(dirname "$0")/lib/common.sh"
@@ -35,12 +36,14 @@ set_mode 5
 prepare() {
   local archive=${ARCHIVE:-}
   if [ -z "$archive" ]; then
-    # the table's archive of the pair (De<->En: fairseq's mirror; the others are manual)
-    local pair=$SRC-$TGT
+    # the table's archive of the pair (De<->En: fairseq's mirror; En<->Zh: the Hugging Face
+    # hub's zip; the others are manual)
+    local pair=$SRC-$TGT ext=tgz
     [[ $pair == en-* ]] || pair=$TGT-$SRC
     [ "$pair" != en-de ] || pair=de-en
+    [ "$YEAR" != 17 ] || ext=zip
     fetch "iwslt$YEAR-$pair"
-    archive=$DOWNLOADS/$pair.tgz
+    archive=$DOWNLOADS/$pair.$ext
   fi
   # Moses tokenisation, lower-casing (De<->En only), joint BPE (10k merges),
   # fairseq-preprocess (En-Zh: sentencepiece, separate dictionaries)

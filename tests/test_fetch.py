@@ -1,16 +1,22 @@
-"""The recipes' downloader (rdrop_fairseq.recipes.fetch) against a loopback HTTP server that
-the tests start on 127.0.0.1: cuts resumed with Range, mirrors after a 404, a host that
-refuses Python's default User-Agent, wrong checksums, servers that ignore Range, HTML pages
-served with 200, proxies, Ctrl-C, a full disk and no network at all."""
+"""The recipes' downloader (rdrop_fairseq.recipes.fetch) against loopback HTTP(S) servers that
+the tests start on 127.0.0.1: cuts resumed with Range and If-Range, mirrors after a 404, a
+host that refuses Python's default User-Agent, wrong checksums and sizes, servers that
+ignore Range, HTML pages served with 200, proxies, Ctrl-C, 429 with Retry-After, a slow
+first byte over TLS, a redirect, name-lookup failures (a resolver stub), a full disk while
+downloading and while unpacking, no network at all, and a stand-in of the Hugging Face hub."""
 
 import errno
+import gzip
 import hashlib
 import http.client
 import http.server
 import io
 import json
 import os
+import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -18,6 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -37,7 +44,10 @@ class Route(dict):
     """How the server answers one path: ``data``; ``status`` (an error code instead);
     ``cut`` (bytes sent on the first request before the connection is dropped); ``ranges``
     (False: ignore Range); ``html`` (serve as text/html); ``refuse_python_ua``; ``stall``
-    (bytes sent before the server waits)."""
+    (bytes sent before the server waits); ``etag`` (sent, and an If-Range that differs
+    gets the whole file); ``busy`` (a list of ``(status, Retry-After)`` answered first);
+    ``redirect`` (a path it moved to); ``encoding`` (a Content-Encoding header); ``then``
+    (the Route that answers from the next request on)."""
 
 
 class Server(http.server.ThreadingHTTPServer):
@@ -66,8 +76,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         path = "/" + self.path.split("://", 1)[1].split("/", 1)[1] if "://" in self.path \
             else self.path
         route = self.server.routes.get(path)
-        self.server.log.append({"path": path, "raw_path": self.path,
+        self.server.log.append({"path": path, "raw_path": self.path, "time": time.monotonic(),
                                 "range": self.headers.get("Range"),
+                                "if_range": self.headers.get("If-Range"),
                                 "agent": self.headers.get("User-Agent")})
         if route is None:
             return self._error(404)
@@ -75,9 +86,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._error(403)
         if route.get("status"):
             return self._error(route["status"])
+        if route.get("busy"):
+            status, after = route["busy"].pop(0)
+            return self._error(status, {"Retry-After": str(after)})
+        if route.get("redirect"):
+            return self._error(302, {"Location": route["redirect"]})
         data, start = route["data"], 0
         rng = self.headers.get("Range")
-        if rng and route.get("ranges", True):
+        if_range = self.headers.get("If-Range")
+        if rng and route.get("ranges", True) and if_range in (None, route.get("etag")):
             start = int(rng.split("=")[1].split("-")[0])
             if start >= len(data):
                 self.send_response(416)
@@ -91,12 +108,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
         self.send_header("Content-Type", "text/html" if route.get("html") else
                          "application/octet-stream")
+        for header, key in (("ETag", "etag"), ("Content-Encoding", "encoding")):
+            if route.get(key):
+                self.send_header(header, route[key])
         if route.get("no_length"):  # the body ends where the connection closes
             self.close_connection = True
         else:
             self.send_header("Content-Length", str(len(data) - start))
         self.end_headers()
         body = data[start:]
+        if route.get("then"):  # what the host serves from now on
+            self.server.routes[path] = route.pop("then")
         cut = route.pop("cut", None)
         if cut is not None:
             self.wfile.write(body[:cut])
@@ -111,13 +133,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
             body = body[stall:]
         self.wfile.write(body)
 
-    def _error(self, code):
+    def _error(self, code, headers=()):
         body = f"<html><body>{code}</body></html>".encode()
         self.send_response(code)
+        for header, value in dict(headers).items():
+            self.send_header(header, value)
         self.send_header("Content-Type", "text/html")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+
+@pytest.fixture(autouse=True)
+def a_new_run(monkeypatch):
+    """Each test a run of its own: no earlier test's "no network" carries over."""
+    monkeypatch.setattr(fetch_mod, "_no_network", None)
 
 
 @pytest.fixture
@@ -139,8 +169,9 @@ def cli(*args, env=None, timeout=60):
 
 
 def only(path):
-    """The names in ``path``'s folder."""
-    return sorted(p.name for p in Path(path).parent.iterdir())
+    """The names in ``path``'s folder, but for hidden ones (the lock files ``.NAME.lock``,
+    which stay, and the hub's staging folder ``.hub``)."""
+    return sorted(p.name for p in Path(path).parent.iterdir() if not p.name.startswith("."))
 
 
 def test_a_cut_download_resumes_with_a_range_request(server, tmp_path, capsys):
@@ -150,9 +181,10 @@ def test_a_cut_download_resumes_with_a_range_request(server, tmp_path, capsys):
     assert [r["range"] for r in server.log] == [None, "bytes=300000-"]
     assert only(out) == ["a.bin"]  # no .partial, no record: the checksum is public
     err = capsys.readouterr().err
-    assert "cut after 300.0 kB of 1.0 MB" in err and "resuming at 300.0 kB" in err
-    # not a terminal: a line every 10 %, the last at 100 %
-    assert "a.bin: 100 % (1.0 MB of 1.0 MB" in err and "s left" in err
+    assert "cut after 300kB" in err and "resuming at 300kB" in err
+    # not a terminal: a line at every tenth or so, the last at 100 %
+    assert "a.bin: 100 % (1.05MB of 1.05MB" in err and "left)" in err
+    assert 5 <= len([line for line in err.splitlines() if " % (" in line]) <= 25
 
 
 def test_a_404_mirror_then_a_good_one_and_every_url_named_on_failure(server, tmp_path):
@@ -210,7 +242,7 @@ def test_an_html_page_served_with_200_is_refused(server, tmp_path, route):
     server.routes["/model.tar.gz"] = route
     proc = cli("--out", tmp_path / "model.tar.gz", server.url("/model.tar.gz"))
     assert proc.returncode != 0 and "an HTML page" in proc.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert only(tmp_path / "x") == []
 
 
 def test_a_verified_file_is_not_fetched_again(server, tmp_path):
@@ -224,9 +256,13 @@ def test_a_verified_file_is_not_fetched_again(server, tmp_path):
     assert (tmp_path / "a.bin").read_bytes() == b"another file"  # left as the user put it
 
 
-def test_without_a_public_checksum_the_first_one_is_recorded_and_checked(server, tmp_path):
+def test_without_a_public_checksum_only_record_pins_the_first_download(server, tmp_path):
     server.routes["/a.bin"] = Route(data=DATA)
     proc = cli("--out", tmp_path / "a.bin", server.url("/a.bin"))
+    assert proc.returncode == 0 and "first seen" not in proc.stderr
+    assert only(tmp_path / "a.bin") == ["a.bin"]  # nothing pinned after the fact
+    (tmp_path / "a.bin").unlink()
+    proc = cli("--record", "--out", tmp_path / "a.bin", server.url("/a.bin"))
     assert proc.returncode == 0 and f"first seen sha256 {SHA}" in proc.stderr
     assert (tmp_path / "a.bin.sha256").read_text().split()[0] == SHA
     (tmp_path / "a.bin").unlink()
@@ -257,31 +293,86 @@ def test_ctrl_c_keeps_the_partial_file_for_the_next_run(server, tmp_path):
     assert (tmp_path / "a.bin").read_bytes() == DATA
 
 
-def test_a_full_disk_is_a_clear_error_and_the_partial_stays(server, tmp_path, monkeypatch):
-    server.routes["/a.bin"] = Route(data=DATA)
-    real_open = open
+class FullDisk:
+    """Files opened for writing in ``module`` take ``room`` bytes in all, as a disk that
+    fills: a short write first, then ENOSPC. ``room = None``: space freed."""
 
-    class Full:
-        def __init__(self, f):
-            self.f, self.written = f, 0
+    def __init__(self, monkeypatch, module, room):
+        self.room, real_open = room, open
 
-        def __enter__(self):
-            return self
+        def full_open(path, mode="r", *args, **kwargs):
+            f = real_open(path, mode, *args, **kwargs)
+            if "b" not in mode or not set(mode) & set("wa"):
+                return f
+            real_write = f.write
 
-        def __exit__(self, *exc):
-            self.f.close()
+            def write(data):
+                if self.room is None:
+                    return real_write(data)
+                if self.room == 0:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                n = real_write(bytes(memoryview(data)[:self.room]))
+                self.room -= n
+                return n  # short, as write() is on a disk that fills
 
-        def write(self, data):
-            if self.written + len(data) > 400_000:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            self.written += self.f.write(data)
-            return len(data)
+            return type("Full", (), {"write": staticmethod(write), "__enter__": lambda s: s,
+                                     "__exit__": lambda s, *e: f.close(),
+                                     "__getattr__": lambda s, n: getattr(f, n)})()
 
-    monkeypatch.setattr(fetch_mod, "open", lambda *a, **k: Full(real_open(*a, **k)),
-                        raising=False)
-    with pytest.raises(FetchError, match="the disk is full: .*a.bin.partial holds"):
+        monkeypatch.setattr(module, "open", full_open, raising=False)
+
+
+def test_a_full_disk_while_downloading_keeps_what_arrived_and_resumes(server, tmp_path,
+                                                                      monkeypatch):
+    server.routes["/a.bin"] = Route(data=DATA, etag='"v1"')
+    disk = FullDisk(monkeypatch, fetch_mod, 400_000)
+    with pytest.raises(FetchError, match="the disk is full: .*a.bin.partial holds 400kB"):
         fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=SHA)
-    assert (tmp_path / "a.bin.partial").stat().st_size > 0 and not (tmp_path / "a.bin").exists()
+    assert (tmp_path / "a.bin.partial").read_bytes() == DATA[:400_000]  # every byte written
+    assert not (tmp_path / "a.bin").exists()
+    disk.room = None  # space freed: the rerun resumes where the disk filled
+    assert fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=SHA).read_bytes() == DATA
+    assert [(r["range"], r["if_range"]) for r in server.log] == [
+        (None, None), ("bytes=400000-", '"v1"')]
+
+
+def test_a_full_disk_while_unpacking_condemns_no_download(server, tmp_path, monkeypatch):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("top/model.pt", DATA)
+    archive = buf.getvalue()
+    server.routes["/m.zip"] = Route(data=archive)
+    server.routes["/dict.txt"] = Route(data=b"a 1\n")
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"m": {"make": "unpack", "files": [
+        {"name": "m.zip", "urls": [server.url("/m.zip")], "no_public_record": "a test"}]},
+        "two": {"files": [
+            {"name": "dict.txt", "urls": [server.url("/dict.txt")], "size": 4,
+             "sha256": hashlib.sha256(b"a 1\n").hexdigest()},
+            {"name": "w.bin", "urls": [server.url("/w.bin")], "size": len(DATA),
+             "sha256": SHA}]}}))
+    dl, dest = tmp_path / "dl", tmp_path / "work" / "m"
+    real_copy = shutil.copyfileobj
+
+    def copy_until_full(src, dst, length=0):  # unpacking fills the disk half way
+        dst.write(src.read(300_000))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fetch_mod.shutil, "copyfileobj", copy_until_full)
+    with pytest.raises(FetchError, match="the disk is full while making .*nothing is fetched"):
+        fetch_mod.get("m", dl, dest, table)
+    monkeypatch.setattr(fetch_mod.shutil, "copyfileobj", real_copy)
+    assert (dl / "m.zip").read_bytes() == archive and not dest.exists()
+    assert only(dl / "x") == ["m.zip"] and not (tmp_path / "work").exists()
+    # and while the second file of a source comes in: the first, whole, stays
+    server.routes["/w.bin"] = Route(data=DATA)
+    disk = FullDisk(monkeypatch, fetch_mod, 500_004)  # dict.txt's 4 bytes, then w.bin's
+    with pytest.raises(FetchError, match="the disk is full: .*w.bin.partial"):
+        fetch_mod.get("two", dl, None, table)
+    disk.room = None  # space freed
+    assert fetch_mod.get("m", dl, dest, table) == dest and (dest / "model.pt").read_bytes() == DATA
+    assert fetch_mod.get("two", dl, None, table) == [dl / "dict.txt", dl / "w.bin"]
+    assert [(r["path"], r["range"]) for r in server.log] == [
+        ("/m.zip", None), ("/dict.txt", None), ("/w.bin", None), ("/w.bin", "bytes=500000-")]
 
 
 def test_the_proxy_variables_and_no_proxy_are_honoured(server, tmp_path, monkeypatch):
@@ -307,7 +398,9 @@ def test_no_connection_gives_up_within_seconds_and_leaves_nothing(tmp_path, env,
     proc = cli("--out", tmp_path / "sub" / "x.tgz", url, url, env=env)
     assert time.monotonic() - start < 5 + 3  # the interpreter's start included
     assert proc.returncode != 0 and "no connection" in proc.stderr
-    assert "Fetch it by hand" in proc.stderr
+    # the message OFFLINE=1 gives: what is missing, where it comes from, how by hand
+    assert f"{tmp_path / 'sub' / 'x.tgz'} is missing: it comes from {url} or {url}" in proc.stderr
+    assert "fetch it by hand" in proc.stderr
     assert len([line for line in proc.stderr.splitlines() if line.startswith("error")]) == 1
     assert list(tmp_path.iterdir()) == []  # not even the folder
 
@@ -331,8 +424,8 @@ def test_bad_input_is_refused_before_anything_is_fetched(tmp_path, args, message
 # ------------------------------------------------------------------ the source table
 
 
-def table_for(server, tmp_path, entries):
-    path = tmp_path / "sources.json"
+def table_for(server, tmp_path, entries, name="sources.json"):
+    path = tmp_path / name
     path.write_text(json.dumps(entries))
     return path
 
@@ -340,12 +433,18 @@ def table_for(server, tmp_path, entries):
 def test_named_sources_offline_and_dry_run(server, tmp_path):
     server.routes["/w.zip"] = Route(data=DATA)
     table = table_for(server, tmp_path, {
-        "corpus": {"files": [{"name": "w.zip", "urls": [server.url("/w.zip")], "sha256": SHA}],
+        "corpus": {"files": [{"name": "w.zip", "urls": [server.url("/w.zip")], "sha256": SHA,
+                              "size": len(DATA)}],
                    "local": "set SOURCE to a local w.zip"},
-        "other": {"files": [{"name": "o.bin", "urls": [server.url("/o.bin")]}]},
+        "other": {"files": [{"name": "o.bin", "urls": [server.url("/o.bin")],
+                             "no_public_record": "a test"}]},
         "gone": {"files": [], "manual": "no host serves it; set X to your copy"}})
     env = {"RDROP_SOURCES": str(table)}
     dl = tmp_path / "dl"
+    unpinned = table_for(server, tmp_path, {"x": {"files": [{"name": "o.bin", "urls": [
+        server.url("/o.bin")], "sha256": SHA}]}}, "unpinned.json")
+    proc = cli("--dir", dl, "x", env={"RDROP_SOURCES": str(unpinned)})
+    assert proc.returncode != 0 and "x's o.bin is not pinned: give its sha256" in proc.stderr
     proc = cli("--dir", dl, "corpus", "other", env={**env, "OFFLINE": "1"})
     assert proc.returncode != 0 and server.log == [] and not dl.exists()
     for name in ("w.zip", "o.bin"):  # every missing file, where from, how by hand
@@ -363,7 +462,7 @@ def test_named_sources_offline_and_dry_run(server, tmp_path):
     assert (dl / "w.zip").read_bytes() == DATA
 
 
-def test_the_packaged_table_is_well_formed():
+def test_every_file_of_the_packaged_table_is_pinned():
     table = fetch_mod.load_sources(fetch_mod.TABLE)
     for name, entry in table.items():
         assert entry.get("licence") and entry.get("used_by"), name
@@ -371,25 +470,38 @@ def test_the_packaged_table_is_well_formed():
             continue
         assert entry["files"] and entry.get("local"), name
         for spec in entry["files"]:
-            assert all(u.startswith("https://") or u.startswith("http://") for u in spec["urls"])
-            for algorithm, digits in fetch_mod.DIGESTS.items():
-                if algorithm in spec:
-                    assert fetch_mod.check_digest(algorithm, spec[algorithm])
-    # the inputs the issue names: each recipe's
-    for name in ["wikitext-103", "iwslt14-de-en", "wmt13-europarl-v7", "glue-RTE", "glue-MRPC",
-                 "glue-QQP", "gpt2-bpe", "roberta.base", "roberta.large", "bart.large",
-                 "cnn_dailymail", "bert-base-uncased"]:
+            check = fetch_mod._checksum_of(spec)
+            # a digest and a size from a public record, or the field that says none exists
+            assert (check and spec.get("size")) or spec.get("no_public_record"), spec["name"]
+            if check:
+                assert fetch_mod.check_digest(*check) and entry.get("checksum_from"), name
+            if entry.get("hub"):
+                assert spec["path"] and entry["hub"]["revision_from"], name
+            else:
+                assert all(u.startswith(("https://", "http://")) for u in spec["urls"])
+        make = entry.get("make", "copy")
+        assert make in ("copy", "unpack") or callable(fetch_mod._maker(make)), name
+    for name in ["wikitext-103", "iwslt14-de-en", "iwslt17-en-zh", "wmt13-europarl-v7",
+                 "glue-RTE", "glue-MRPC", "glue-QQP", "gpt2-bpe", "roberta.base",
+                 "roberta.large", "bart.large", "cnn_dailymail", "bert-base-uncased"]:
         assert name in table
-    assert table["wikitext-103"]["files"][0]["md5"] == "9ddaacaf6af0710eda8c456decff7832"
-    for manual in ["iwslt14-en-fr", "iwslt14-en-es", "iwslt17-en-zh", "wmt16-google-en-de"]:
+    wikitext = table["wikitext-103"]["files"][0]
+    assert (wikitext["sha256"], wikitext["size"]) == (
+        "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590", 190_229_076)
+    assert table["wmt14-test-full"]["files"][0]["md5"] == "a8cd784e006feb32ac6f3d9ec7eb389a"
+    assert table["glue-QQP"]["files"][0]["size"] == 41_696_084
+    bert = table["bert-base-uncased"]["hub"]["revision"]
+    assert len(bert) == 40 and all(c in "0123456789abcdef" for c in bert)  # a commit id
+    for manual in ["iwslt14-en-fr", "iwslt14-en-es", "wmt16-google-en-de"]:
         assert table[manual]["manual"]
+    assert "import prepare" not in (REPO / "rdrop_fairseq/recipes/fetch.py").read_text()
 
 
 def test_a_corrupt_archive_without_a_checksum_names_the_file_and_its_source(server, tmp_path):
     server.routes["/model.tar.gz"] = Route(data=b"\x1f\x8b" + DATA[:5000])  # not a tarball
     table = table_for(server, tmp_path, {"model": {
-        "files": [{"name": "model.tar.gz", "urls": [server.url("/model.tar.gz")]}],
-        "make": "unpack"}})
+        "files": [{"name": "model.tar.gz", "urls": [server.url("/model.tar.gz")],
+                   "no_public_record": "a test"}], "make": "unpack"}})
     dest = tmp_path / "work" / "model"
     proc = cli("--dir", tmp_path / "dl", f"model={dest}", env={"RDROP_SOURCES": str(table)})
     assert proc.returncode != 0
@@ -398,7 +510,7 @@ def test_a_corrupt_archive_without_a_checksum_names_the_file_and_its_source(serv
     assert not (tmp_path / "work").exists()  # no DEST, no half-made sibling, no empty parent
 
 
-def test_a_corrupt_archive_is_not_pinned_by_a_first_seen_checksum(server, tmp_path):
+def test_a_corrupt_archive_is_not_pinned_by_record(server, tmp_path):
     good = io.BytesIO()
     with tarfile.open(fileobj=good, mode="w:gz") as tar:
         info = tarfile.TarInfo("model/model.pt")
@@ -408,18 +520,18 @@ def test_a_corrupt_archive_is_not_pinned_by_a_first_seen_checksum(server, tmp_pa
     corrupt = good[:-8] + bytes(8)  # the gzip trailer's CRC: tarfile alone never reads it
     server.routes["/model.tar.gz"] = Route(data=corrupt)
     table = table_for(server, tmp_path, {"model": {
-        "files": [{"name": "model.tar.gz", "urls": [server.url("/model.tar.gz")]}],
-        "make": "unpack"}})
+        "files": [{"name": "model.tar.gz", "urls": [server.url("/model.tar.gz")],
+                   "no_public_record": "a test"}], "make": "unpack"}})
     dl, dest = tmp_path / "dl", tmp_path / "work" / "model"
     env = {"RDROP_SOURCES": str(table)}
-    proc = cli("--dir", dl, f"model={dest}", env=env)
+    proc = cli("--record", "--dir", dl, f"model={dest}", env=env)
     assert proc.returncode != 0 and "a corrupt archive (CRC check failed" in proc.stderr
-    assert sorted(p.name for p in dl.iterdir()) == ["model.tar.gz.bad"]  # no record
+    assert only(dl / "x") == ["model.tar.gz.bad"]  # no record
     server.routes["/model.tar.gz"] = Route(data=good)
-    proc = cli("--dir", dl, f"model={dest}", env=env)
+    proc = cli("--record", "--dir", dl, f"model={dest}", env=env)
     assert proc.returncode == 0, proc.stderr
     assert (dest / "model.pt").read_bytes() == DATA
-    assert sorted(p.name for p in dl.iterdir()) == ["model.tar.gz", "model.tar.gz.sha256"]
+    assert only(dl / "x") == ["model.tar.gz", "model.tar.gz.sha256"]
     assert (dl / "model.tar.gz.sha256").read_text().split()[0] == hashlib.sha256(good).hexdigest()
 
 
@@ -433,8 +545,8 @@ def test_a_body_without_a_length_needs_a_checksum(server, tmp_path):
 def test_two_runs_fetching_one_file_take_turns(server, tmp_path):
     server.routes["/a.bin"] = Route(data=DATA, stall=100_000, stall_s=1)
     env = {**os.environ, **NO_PROXY, "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-m", "rdrop_fairseq.recipes.fetch", "--out",
-                               str(tmp_path / "a.bin"), server.url("/a.bin")], env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", "rdrop_fairseq.recipes.fetch", "--record",
+                               "--out", str(tmp_path / "a.bin"), server.url("/a.bin")], env=env,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     errs = [p.communicate(timeout=60)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
@@ -450,36 +562,289 @@ def test_a_complete_partial_answered_416_is_not_fetched_again(server, tmp_path):
     assert [r["range"] for r in server.log] == [f"bytes={len(DATA)}-"]
 
 
-def test_a_host_that_drops_packets_is_given_up_within_the_connect_budget(tmp_path,
-                                                                        monkeypatch):
+def test_a_host_that_drops_packets_is_tried_with_the_per_try_connect_timeout(tmp_path,
+                                                                           monkeypatch):
+    import urllib3.util.connection
+
+    tries = []
+
     def black_hole(address, timeout=None, *args, **kwargs):
+        tries.append((address, timeout))
         time.sleep(timeout)
         raise TimeoutError("timed out")
 
-    monkeypatch.setattr(http.client.socket, "create_connection", black_hole)
-    monkeypatch.setattr(fetch_mod, "CONNECT_BUDGET", 1.0)
+    monkeypatch.setattr(urllib3.util.connection, "create_connection", black_hole)
+    monkeypatch.setenv("RDROP_FETCH_CONNECT_TIMEOUT", "0.3")
     start = time.monotonic()
-    with pytest.raises(FetchError) as e:
+    with pytest.raises(fetch_mod.NoNetwork) as e:
         fetch(["http://10.255.255.1/a.bin", "http://10.255.255.2/a.bin"], tmp_path / "a.bin",
               sha256=SHA, backoff=0)
-    assert time.monotonic() - start < 2.5  # not 2 URLs x 3 tries x 30 s
-    assert "no connection within 1.0 s" in str(e.value)
-    assert "10.255.255.2/a.bin: not tried" in str(e.value)
-    assert list(tmp_path.iterdir()) == []
+    assert time.monotonic() - start < 4  # 2 URLs x 3 tries x 0.3 s, not 30 s each
+    assert [t for _, t in tries] == [0.3] * 6  # each try its own connect time-out
+    assert [a[0] for a, _ in tries] == ["10.255.255.1"] * 3 + ["10.255.255.2"] * 3
+    assert "no connection (within 0.3 s)" in str(e.value)
+    assert "is missing: it comes from" in str(e.value) and only(tmp_path / "x") == []
+    monkeypatch.setenv("RDROP_FETCH_CONNECT_TIMEOUT", "soon")
+    with pytest.raises(fetch_mod.BadInput, match="RDROP_FETCH_CONNECT_TIMEOUT must be a"):
+        fetch(["http://10.255.255.1/a.bin"], tmp_path / "a.bin", sha256=SHA)
 
 
-def test_files_that_cannot_be_made_into_dest_are_one_line_and_set_aside(server, tmp_path):
+def test_files_that_cannot_be_made_into_dest_are_one_line_and_kept(server, tmp_path):
     header = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
     server.routes["/train.txt"] = Route(data=(header + "1\t1\t2\ta b\tc d\n").encode())
     server.routes["/test.txt"] = Route(data=(header + "1\t3\t4\te f\tg h\n").encode())
     server.routes["/ids.tsv"] = Route(data=b"8\t9\n")  # a pair the training file lacks
-    table = table_for(server, tmp_path, {"glue-MRPC": {"make": "mrpc", "files": [
-        {"name": n, "urls": [server.url("/" + n)]} for n in ("train.txt", "test.txt",
-                                                             "ids.tsv")]}})
-    proc = cli("--dir", tmp_path / "dl", f"glue-MRPC={tmp_path / 'work' / 'MRPC'}",
-               env={"RDROP_SOURCES": str(table)})
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "cannot be made into" in proc.stderr and "ids.tsv lists 1 pairs" in proc.stderr
-    assert sorted(p.name for p in (tmp_path / "dl").iterdir()) == [
-        "ids.tsv.bad", "test.txt.bad", "train.txt.bad"]  # no first-seen record pins them
-    assert not (tmp_path / "work").exists()
+    table = table_for(server, tmp_path, {"glue-MRPC": {
+        "make": "rdrop_fairseq.recipes.prepare_glue:mrpc_from_downloads", "files": [
+            {"name": n, "urls": [server.url("/" + n)], "no_public_record": "a test"}
+            for n in ("train.txt", "test.txt", "ids.tsv")]}})
+    for _ in range(2):
+        proc = cli("--dir", tmp_path / "dl", f"glue-MRPC={tmp_path / 'work' / 'MRPC'}",
+                   env={"RDROP_SOURCES": str(table)})
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert "cannot be made into" in proc.stderr and "ids.tsv lists 1 pairs" in proc.stderr
+        # the making failed, not the downloads: kept, and not fetched again
+        assert only(tmp_path / "dl" / "x") == ["ids.tsv", "test.txt", "train.txt"]
+        assert not (tmp_path / "work").exists()
+    assert len(server.log) == 3
+
+
+# ------------------------------------------------------------------ slow and flaky links
+
+
+def test_a_file_changed_between_a_cut_and_the_resume_is_fetched_afresh(server, tmp_path):
+    new = DATA[::-1]  # the host's file changes right after the cut
+    server.routes["/a.bin"] = Route(data=DATA, etag='"v1"', cut=300_000,
+                                    then=Route(data=new, etag='"v2"'))
+    out = fetch([server.url("/a.bin")], tmp_path / "a.bin",
+                sha256=hashlib.sha256(new).hexdigest(), backoff=0)
+    assert out.read_bytes() == new  # the new file whole: no old head spliced on
+    assert [(r["range"], r["if_range"]) for r in server.log] == [
+        (None, None), ("bytes=300000-", '"v1"')]
+    assert only(out) == ["a.bin"]  # no partial, no validator left
+
+
+def test_a_429_with_retry_after_is_waited_for(server, tmp_path):
+    server.routes["/a.bin"] = Route(data=DATA, busy=[(429, 2)])
+    start = time.monotonic()
+    assert fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=SHA).read_bytes() == DATA
+    waited = server.log[1]["time"] - server.log[0]["time"]
+    assert 1.8 <= waited < 4 and time.monotonic() - start < 6  # the 2 s it asked for
+
+
+def test_wrong_size_or_digest_leaves_nothing_under_the_final_name(server, tmp_path):
+    server.routes["/a.bin"] = Route(data=DATA)
+    for kwargs, why in [({"size": len(DATA) + 1, "sha256": SHA}, f"{len(DATA)} bytes, not"),
+                        ({"size": len(DATA), "sha256": "1" * 64}, "the wrong checksum")]:
+        with pytest.raises(FetchError, match=why):
+            fetch([server.url("/a.bin")], tmp_path / "a.bin", **kwargs)
+        assert only(tmp_path / "a.bin") == ["a.bin.bad"]
+
+
+def test_a_tar_gz_served_with_content_encoding_gzip_stays_as_served(server, tmp_path):
+    body = gzip.compress(b"a tarball's bytes" * 1000)
+    server.routes["/m.tar.gz"] = Route(data=body, encoding="gzip")
+    out = fetch([server.url("/m.tar.gz")], tmp_path / "m.tar.gz",
+                sha256=hashlib.sha256(body).hexdigest())
+    assert out.read_bytes() == body
+
+
+@pytest.fixture
+def resolver(monkeypatch, server):
+    """A stub of the name look-up: ``answers[host]`` lists what each look-up of it gives
+    (an errno for a failure; the last answer repeats); ``looked_up`` counts them."""
+    real = socket.getaddrinfo
+    stub = type("Resolver", (), {})()
+    stub.answers, stub.looked_up = {}, []
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host not in stub.answers:
+            return real(host, port, *args, **kwargs)
+        stub.looked_up.append(host)
+        answers = stub.answers[host]
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if answer == "ok":
+            return real("127.0.0.1", port, *args, **kwargs)
+        raise socket.gaierror(answer, os.strerror(answer) if answer > 0 else "lookup failed")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return stub
+
+
+def test_a_temporary_name_lookup_failure_is_tried_again(server, tmp_path, resolver):
+    server.routes["/a.bin"] = Route(data=DATA)
+    resolver.answers["flaky.test"] = [socket.EAI_AGAIN, "ok"]
+    url = f"http://flaky.test:{server.server_address[1]}/a.bin"
+    assert fetch([url], tmp_path / "a.bin", sha256=SHA, backoff=0).read_bytes() == DATA
+    assert resolver.looked_up == ["flaky.test", "flaky.test"]
+
+
+@pytest.mark.parametrize("failure, tries", [
+    (socket.EAI_NONAME, ["gone.test", "gone2.test"]),  # no such name: once each
+    # a look-up that keeps failing "temporarily" (a machine whose resolver is unreachable):
+    # three tries for the first host, then one for the other
+    (socket.EAI_AGAIN, ["gone.test"] * 3 + ["gone2.test"]),
+])
+def test_names_that_never_resolve_give_the_offline_message_within_seconds(
+        server, tmp_path, resolver, failure, tries):
+    resolver.answers["gone.test"] = resolver.answers["gone2.test"] = [failure]
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"corpus": {"files": [
+        {"name": n, "urls": [f"https://gone.test/{n}", f"http://gone2.test/{n}"],
+         "sha256": SHA, "size": len(DATA)} for n in ("a.zip", "b.zip")],
+        "local": "set SOURCE to your copy"}}))
+    start = time.monotonic()
+    with pytest.raises(fetch_mod.NoNetwork) as e:
+        fetch_mod.get("corpus", tmp_path / "dl", None, table)
+    assert time.monotonic() - start < 5
+    assert resolver.looked_up == tries  # b.zip is not tried: no network was found
+    message = str(e.value)
+    for n in ("a.zip", "b.zip"):  # as OFFLINE=1 says it: each file, where from, by hand
+        assert f"{tmp_path / 'dl' / n} is missing: it comes from https://gone.test/{n}" in message
+        assert f"--sha256 {SHA} --out {tmp_path / 'dl' / n}" in message
+    assert "no connection" in message and message.endswith("| or set SOURCE to your copy")
+    assert not (tmp_path / "dl").exists()
+
+
+# ------------------------------------------------------------------ HTTPS
+
+
+@pytest.fixture
+def tls_server(server, tmp_path_factory, monkeypatch):
+    """The loopback server behind TLS, with a certificate made here (openssl) that the
+    downloads trust through REQUESTS_CA_BUNDLE; ``server.delay``: seconds before the
+    server's first byte (its TLS handshake)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", folder / "key.pem", "-out", folder / "cert.pem",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(folder / "cert.pem", folder / "key.pem")
+    srv = Server()
+    srv.routes, srv.log, srv.delay = server.routes, server.log, 0
+    get_request = srv.get_request
+
+    def tls_request():
+        sock, address = get_request()
+        return context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+
+    srv.get_request = tls_request
+    handle = Handler.setup
+
+    def setup(self):
+        time.sleep(self.server.delay)
+        self.request.do_handshake()
+        handle(self)
+
+    monkeypatch.setattr(Handler, "setup", setup)
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(folder / "cert.pem"))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    srv.https = lambda path: f"https://127.0.0.1:{srv.server_address[1]}{path}"
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_https_with_a_redirect_to_another_path(tls_server, tmp_path):
+    tls_server.routes["/old/a.bin"] = Route(redirect="/new/a.bin")
+    tls_server.routes["/new/a.bin"] = Route(data=DATA, cut=500_000)
+    out = fetch([tls_server.https("/old/a.bin")], tmp_path / "a.bin", sha256=SHA, backoff=0)
+    assert out.read_bytes() == DATA
+    assert [(r["path"], r["range"]) for r in tls_server.log] == [
+        ("/old/a.bin", None), ("/new/a.bin", None), ("/old/a.bin", "bytes=500000-"),
+        ("/new/a.bin", "bytes=500000-")]
+
+
+def test_a_first_byte_8_s_late_still_completes(tls_server, tmp_path):
+    """A slow link: the server's first byte (its TLS handshake) comes 8 s late."""
+    tls_server.routes["/a.bin"] = Route(data=DATA)
+    tls_server.delay = 8
+    start = time.monotonic()
+    assert fetch([tls_server.https("/a.bin")], tmp_path / "a.bin", sha256=SHA).read_bytes() \
+        == DATA
+    assert 8 <= time.monotonic() - start < 20 and len(tls_server.log) == 1
+
+
+# ------------------------------------------------------------------ the Hugging Face hub
+
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def hub(server, monkeypatch, tmp_path):
+    """A stand-in of the hub's file API on the loopback server (HF_ENDPOINT): HEAD and GET
+    of /REPO/resolve/REVISION/PATH with the headers huggingface_hub reads."""
+    files = {}
+
+    class HubHandler(Handler):
+        def do_HEAD(self):
+            self._hub(head=True)
+
+        def do_GET(self):
+            if not self.path.startswith("/org/"):
+                return super().do_GET()
+            self._hub(head=False)
+
+        def _hub(self, head):
+            self.server.log.append({"path": self.path, "method": "HEAD" if head else "GET",
+                                    "range": self.headers.get("Range")})
+            prefix = f"/org/model/resolve/{REVISION}/"
+            data = files.get(self.path[len(prefix):]) if self.path.startswith(prefix) else None
+            if data is None:
+                return self._error(404, {"X-Error-Code": "EntryNotFound"})
+            self.send_response(200)
+            for header, value in {"X-Repo-Commit": REVISION, "Content-Length": str(len(data)),
+                                  "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                                  "Content-Type": "application/octet-stream"}.items():
+                self.send_header(header, value)
+            self.end_headers()
+            if not head:
+                self.wfile.write(data)
+
+    server.RequestHandlerClass = HubHandler
+    monkeypatch.setenv("HF_ENDPOINT", server.base)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return files
+
+
+def test_hub_files_come_through_huggingface_hub_at_the_pinned_revision(server, hub, tmp_path):
+    pytest.importorskip("huggingface_hub")
+    hub["config.json"], hub["model.safetensors"] = b'{"a": 1}', DATA
+    entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
+             "files": [{"name": f"model/{n}", "path": n, "size": len(d),
+                        "sha256": hashlib.sha256(d).hexdigest()} for n, d in hub.items()],
+             "make": "copy", "local": "set MODEL_DIR"}
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"model": entry}))
+    dl, dest = tmp_path / "dl", tmp_path / "work" / "model"
+    assert fetch_mod.get("model", dl, dest, table) == dest
+    assert (dest / "model.safetensors").read_bytes() == DATA
+    assert (dl / "model" / "config.json").read_bytes() == b'{"a": 1}'
+    gets = [r["path"] for r in server.log if r.get("method") == "GET"]
+    assert gets == [f"/org/model/resolve/{REVISION}/{n}" for n in hub]
+    served = len(server.log)
+    shutil.rmtree(dest)
+    assert fetch_mod.get("model", dl, dest, table) == dest and len(server.log) == served
+    # a file the hub serves that is not the pinned one: refused, kept aside
+    entry["files"] = [{"name": "other/config.json", "path": "config.json", "size": 8,
+                       "sha256": "0" * 64}]
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"model": entry}))
+    with pytest.raises(FetchError, match="the wrong checksum"):
+        fetch_mod.get("model", dl, None, table)
+    assert only(dl / "other" / "x") == ["config.json.bad"]
+
+
+def test_hub_files_offline(server, hub, tmp_path, monkeypatch):
+    entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
+             "files": [{"name": "model/config.json", "path": "config.json", "size": 8,
+                        "sha256": "0" * 64}], "local": "set MODEL_DIR"}
+    table = table_for(server, tmp_path, {"model": entry})
+    for env in ({"OFFLINE": "1"}, {"HF_HUB_OFFLINE": "1"}):
+        proc = cli("--dir", tmp_path / "dl", "model",
+                   env={"RDROP_SOURCES": str(table), "HF_ENDPOINT": server.base, **env})
+        assert proc.returncode != 0 and server.log == []
+        assert (f"model/config.json is missing: it comes from {server.base}/org/model/resolve/"
+                f"{REVISION}/config.json") in proc.stderr

@@ -42,7 +42,7 @@ def serve(server, tmp_path, entries):
         specs = []
         for fname, data in files.items():
             server.routes[f"/{fname}"] = Route(data=data)
-            specs.append({"name": fname, "urls": [server.url(f"/{fname}")],
+            specs.append({"name": fname, "urls": [server.url(f"/{fname}")], "size": len(data),
                           "sha256": hashlib.sha256(data).hexdigest()})
         table[name] = {"files": specs, "licence": "test", "used_by": "test", **extra}
     path = tmp_path / "sources.json"
@@ -139,7 +139,8 @@ def glue_sources(tmp_path):
     return {"glue-RTE": ({"RTE.zip": rte}, {"make": "unpack", "local": "set GLUE_DIR to yours"}),
             "glue-MRPC": ({"msr_paraphrase_train.txt": train.encode(),
                            "msr_paraphrase_test.txt": test.encode(),
-                           "mrpc_dev_ids.tsv": dev_ids.encode()}, {"make": "mrpc"}),
+                           "mrpc_dev_ids.tsv": dev_ids.encode()},
+                          {"make": "rdrop_fairseq.recipes.prepare_glue:mrpc_from_downloads"}),
             "gpt2-bpe": ({n: (bpe / n).read_bytes() for n in ("encoder.json", "vocab.bpe",
                                                                "dict.txt")}, {"make": "copy"})}
 
@@ -198,7 +199,7 @@ def test_cnndm_prepare_builds_the_text_from_parquet_and_unpacks_bart(server, tmp
     bart = tgz_bytes({"bart.large/dict.txt": (tmp_path / "bpe-src" / "dict.txt").read_bytes(),
                       "bart.large/model.pt": b"weights", "bart.large/NOTE": "a tarball"})
     table = serve(server, tmp_path, {
-        "cnn_dailymail": (files, {"make": "cnndm"}),
+        "cnn_dailymail": (files, {"make": "rdrop_fairseq.recipes.prepare_cnndm:from_parquet"}),
         "gpt2-bpe": ({n: (tmp_path / "bpe-src" / n).read_bytes() for n in
                       ("encoder.json", "vocab.bpe")}, {"make": "copy"}),
         "bart.large": ({"bart.large.tar.gz": bart}, {"make": "unpack"})})
@@ -252,6 +253,7 @@ WMT_EN_DE = ["wmt13-europarl-v7", "wmt13-commoncrawl", "wmt17-nc-v12", "wmt14-te
 @pytest.mark.parametrize("name, env, sources", [
     ("wikitext103", {}, ["wikitext-103"]),
     ("iwslt14", {"SRC": "en", "TGT": "de"}, ["iwslt14-de-en"]),
+    ("iwslt14", {"SRC": "zh", "TGT": "en"}, ["iwslt17-en-zh"]),
     ("wmt14", {}, WMT_EN_DE),
     ("wmt14", {"PAIR": "en-fr"}, ["wmt13-europarl-v7", "wmt13-commoncrawl", "wmt13-un",
                                   "wmt14-nc-v9", "wmt10-giga-fren", "wmt14-test-full"]),
@@ -266,6 +268,10 @@ def test_a_dry_run_prints_every_url_and_destination(tmp_path, name, env, sources
                       DATA_DIR=tmp_path / "data", **env)
     folder = tmp_path / ("wmt14-orig" if name == "wmt14" else "dl")
     table = fetch_mod.load_sources(fetch_mod.TABLE)
-    assert proc.fetches == [(f["urls"][0], str(folder / f["name"]))
+    def url(entry, spec):
+        return spec["urls"][0] if "urls" in spec else fetch_mod.hub_url(entry["hub"],
+                                                                          spec["path"])
+
+    assert proc.fetches == [(url(table[source], f), str(folder / f["name"]))
                             for source in sources for f in table[source]["files"]]
     assert list(tmp_path.iterdir()) == []

@@ -1,48 +1,64 @@
 #!/usr/bin/env python
-"""Download the recipes' inputs: resumed after a cut, verified, with progress.
+"""Download the recipes' inputs: pinned, verified, resumed after a cut, with progress.
 
-    python -m rdrop_fairseq.recipes.fetch [--sha256 HEX | --md5 HEX] --out FILE URL [URL ...]
-    python -m rdrop_fairseq.recipes.fetch --dir DOWNLOADS NAME[=DEST] [NAME[=DEST] ...]
+    python -m rdrop_fairseq.recipes.fetch [--sha256 HEX | --md5 HEX | --sha1 HEX] [--record] \\
+        --out FILE URL [URL ...]
+    python -m rdrop_fairseq.recipes.fetch --dir DOWNLOADS [--record] NAME[=DEST] ...
     python -m rdrop_fairseq.recipes.fetch --list          # the source table, as docs/data.md prints it
 
 The first form fetches one file from the first URL that serves it. The second fetches the
 files of the named sources of the source table (``sources.json`` beside this file, or the
 JSON file that ``RDROP_SOURCES`` names) into DOWNLOADS, and with ``=DEST`` makes DEST from
-them: an archive's top folder, the files themselves, MRPC in the GLUE layout, CNN/DailyMail
-in fairseq's ``.source``/``.target`` layout. The recipe scripts' ``prepare`` stages run it.
+them with the maker that the table names (``copy``, ``unpack``, or ``module:function``).
+The recipe scripts' ``prepare`` stages run it.
 
-How a file is fetched:
+Every file of the table is pinned: its SHA-256 (or the MD5 or SHA-1 a record gives) and
+size from a public record, or, where no public record exists (fairseq's model tarballs), a
+``no_public_record`` field that says so, and then the file is checked for being whole: its
+size as served, and an archive read to its end. Files on the Hugging Face hub come through
+``huggingface_hub`` at a pinned revision. Nothing appears under FILE unless verified; a
+download that fails verification is kept as ``FILE.bad``, never resumed from. ``--record``
+pins a file that has no public record: the SHA-256 of its first download is written to
+``FILE.sha256`` and checked on later runs (without ``--record`` nothing is pinned after
+the fact).
 
-* with a User-Agent of its own (some hosts refuse Python's default one), through the proxy
-  that ``http_proxy`` / ``https_proxy`` name, except for the hosts of ``no_proxy``;
-* into ``FILE.partial``, resumed with an HTTP Range request (a server that ignores Range
-  sends the whole file again, and the download starts afresh); Ctrl-C keeps the partial file;
-* 5xx answers, time-outs and cut connections are retried with back-off (then the next URL);
-  403, 404 and other refusals move to the next URL at once, and so does a host that cannot
-  be reached at all (refused, unknown, no route, a proxy that refuses, no connection within
-  the 5 s all the URLs of a file share: no retries, so that an offline machine gives up
-  within about 5 s);
+How a file is fetched from other hosts (requests and urllib3):
+
+* with a User-Agent of its own, through the proxy that ``http_proxy`` / ``https_proxy``
+  name, except for the hosts of ``no_proxy``; as served (a ``.tar.gz`` sent with
+  ``Content-Encoding: gzip`` is not unpacked);
+* each try waits ``RDROP_FETCH_CONNECT_TIMEOUT`` seconds (default 10) to connect and
+  ``RDROP_FETCH_READ_TIMEOUT`` (default 30; ``--timeout``) for data; 5xx and 429 answers,
+  time-outs and temporary name-lookup failures are tried again by urllib3's Retry, with
+  back-off (a 429's or 503's ``Retry-After`` is honoured), ``--retries`` tries in all,
+  then the next URL;
+* into ``FILE.partial``, resumed with a Range request and ``If-Range`` (the partial file's
+  ETag or Last-Modified): a file that changed meanwhile is fetched afresh, never spliced;
+  a download cut after some bytes resumes at once; Ctrl-C and a full disk keep the
+  partial file for the next run;
+* 403, 404 and other refusals move to the next URL at once; so does a host that cannot be
+  reached (refused, no route, a name that does not exist). When no URL of a file can be
+  reached the machine is taken to be offline: the error names every missing file, where it
+  comes from and how to fetch it by hand, as ``OFFLINE=1`` does, within seconds;
 * an HTML page where a file was expected is refused (a login or quota page served with 200);
-* the checksum is verified before the file takes its name: nothing appears under FILE
-  unless verified. A download with the wrong checksum is kept as ``FILE.bad``, never
-  resumed from. Without a known checksum, the SHA-256 of the first download is recorded in
-  ``FILE.sha256`` (and printed) once the file has proved whole (an archive read to its end,
-  DEST made from it), and checked on later runs;
-* a FILE already there with the right checksum is not fetched again; two runs fetching into
-  one folder take turns.
+* a FILE already there and verified is not fetched again; two runs fetching one file, or
+  making one DEST, take turns (a lock file ``.NAME.lock`` beside it).
+
+Making DEST never condemns a download: after a failure (a full disk while unpacking, say)
+the verified files stay, and the next run makes DEST from them without fetching again.
 
 Environment: ``OFFLINE=1`` fetches nothing: it names each missing file, where it comes
 from and the command that fetches it by hand. ``DRY_RUN=1`` prints each URL and
-destination. ``RDROP_SOURCES=table.json`` replaces the source table.
-Exit status 0 only when every file asked for is there, verified.
+destination. ``RDROP_SOURCES=table.json`` replaces the source table. ``HF_ENDPOINT`` and
+``HF_HUB_OFFLINE`` are huggingface_hub's. Exit status 0 only when every file asked for is
+there, verified.
 """
 
 import argparse
 import contextlib
 import errno
-import fcntl
 import hashlib
-import http.client
+import importlib
 import json
 import os
 import shlex
@@ -50,30 +66,46 @@ import shutil
 import socket
 import sys
 import tarfile
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import zipfile
 from pathlib import Path
+
+import requests
+import urllib3
+from filelock import FileLock, Timeout
+from tqdm import tqdm
+from urllib3.exceptions import (ConnectTimeoutError, MaxRetryError, NameResolutionError,
+                                NewConnectionError, ProxyError)
+from urllib3.util.retry import Retry
 
 from .common import ArgumentParser, dry_run
 
 TABLE = Path(__file__).with_name("sources.json")
 USER_AGENT = "rdrop-fairseq-fetch/1.0 (+https://pypi.org/project/rdrop-fairseq/)"
+HUB = "https://huggingface.co"
 CHUNK = 1 << 20
-DIGESTS = {"sha256": 64, "md5": 32}
-# seconds for all the tries to connect in one fetch() (every URL): an offline machine, or a
-# firewall that drops packets, gives up within this
-CONNECT_BUDGET = 5.0
+DIGESTS = {"sha256": 64, "md5": 32, "sha1": 40}
 
 
 class FetchError(Exception):
-    """A file that could not be fetched or verified; the message says why and what to do."""
+    """A file that could not be fetched or verified; the message says why and what to do.
+    ``missing``: where a missing file comes from and how to fetch it by hand (offline)."""
+
+    def __init__(self, text, missing=None):
+        super().__init__(text)
+        self.missing = missing
+
+
+class NoNetwork(FetchError):
+    """No URL of a file could be reached: the message names what is missing, as OFFLINE=1."""
 
 
 class BadInput(ValueError):
     """An argument refused before anything is fetched."""
+
+
+# set once no host could be reached: the rest of the run names what is missing, as offline
+_no_network = None
 
 
 def offline():
@@ -85,10 +117,21 @@ def say(message):
 
 
 def human(n):
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
+    return tqdm.format_sizeof(n, "B", 1000)
+
+
+def seconds(name, default):
+    """The number of seconds the environment variable ``name`` gives (default ``default``)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not number > 0:
+        raise BadInput(f"{name} must be a number of seconds above 0, not {value!r}")
+    return number
 
 
 # ------------------------------------------------------------------------ checksums
@@ -106,7 +149,7 @@ def check_digest(algorithm, value, where=None):
     """``(algorithm, lower-case hex)``, or BadInput saying what is wrong (``where``: the file
     the value was read from; default: the option)."""
     if algorithm not in DIGESTS:
-        raise BadInput(f"unknown checksum {algorithm!r}: give sha256 or md5")
+        raise BadInput(f"unknown checksum {algorithm!r}: give {', '.join(DIGESTS)}")
     value = value.strip().lower()
     if len(value) != DIGESTS[algorithm] or any(c not in "0123456789abcdef" for c in value):
         raise BadInput(f"{where or '--' + algorithm} must hold {DIGESTS[algorithm]} hex "
@@ -119,13 +162,25 @@ def record_path(out):
 
 
 def recorded(out):
-    """The SHA-256 recorded at the first download of ``out`` (no public checksum), if any."""
+    """The SHA-256 recorded with ``--record`` at the first download of ``out``, if any."""
     path = record_path(out)
     if path.is_file():
         fields = path.read_text().split()
         if fields:
             return check_digest("sha256", fields[0], where=f"the recorded checksum {path}")
     return None
+
+
+def record_first_seen(out):
+    """Record the SHA-256 of ``out`` beside it (``--record``: later runs check it)."""
+    if record_path(out).is_file():
+        return
+    digest = file_digest(out, "sha256")
+    tmp = record_path(out).with_suffix(".tmp")
+    tmp.write_text(f"{digest}  {out.name}\n")
+    os.replace(tmp, record_path(out))
+    say(f"{out.name}: no public checksum; first seen sha256 {digest} "
+        f"(recorded in {record_path(out)}, checked on later runs)")
 
 
 def archive_check(path, source, name=None):
@@ -161,355 +216,6 @@ def archive_check(path, source, name=None):
         raise FetchError(f"{path} (from {source}) is corrupt: {e}") from None
 
 
-@contextlib.contextmanager
-def locked(folder):
-    """Hold an exclusive lock on ``folder`` (flock of the directory: no lock file is left
-    behind): two runs fetching into one folder take turns."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"waiting for another run fetching into {folder}")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def make_folder(folder):
-    """``folder`` and its missing parents; returns those made (to remove if left empty).
-    BadInput where a path on the way is a file."""
-    folder = Path(folder)
-    for parent in [folder, *folder.parents]:
-        if parent.exists() and not parent.is_dir():
-            raise BadInput(f"{parent} is a file, not a folder")
-    made = [d for d in [folder, *folder.parents] if not d.exists()]
-    folder.mkdir(parents=True, exist_ok=True)
-    return made
-
-
-def remove_if_empty(folders):
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
-# ------------------------------------------------------------------------ one download
-
-
-class _Answer(Exception):
-    """What one try at a URL answered; ``retry``: worth trying the same URL again."""
-
-    def __init__(self, text, retry=False):
-        super().__init__(text)
-        self.retry = retry
-
-
-class _ConnectTimeout(OSError):
-    """No connection within the connect time-out (a host that drops packets)."""
-
-
-class _ConnectTimeoutMixin:
-    """Connect (and set up a proxy tunnel, and TLS) within ``connect_timeout``; then wait up
-    to the request's own time-out for data."""
-
-    connect_timeout = CONNECT_BUDGET
-
-    def connect(self):
-        read_timeout, self.timeout = self.timeout, self.connect_timeout
-        try:
-            super().connect()
-        except (socket.timeout, TimeoutError):
-            raise _ConnectTimeout(f"no connection within {self.connect_timeout:.1f} s") from None
-        finally:
-            self.timeout = read_timeout
-        self.sock.settimeout(read_timeout)
-
-
-def _opener(connect_timeout):
-    """A new opener: its ProxyHandler reads the proxy variables now; its connections give up
-    connecting after ``connect_timeout`` seconds."""
-    class Conn(_ConnectTimeoutMixin, http.client.HTTPConnection):
-        pass
-
-    class TLSConn(_ConnectTimeoutMixin, http.client.HTTPSConnection):
-        pass
-
-    Conn.connect_timeout = TLSConn.connect_timeout = connect_timeout
-
-    class Handler(urllib.request.HTTPHandler):
-        def http_open(self, req):
-            return self.do_open(Conn, req)
-
-    class TLSHandler(urllib.request.HTTPSHandler):
-        def https_open(self, req):
-            return self.do_open(TLSConn, req, context=self._context)
-
-    return urllib.request.build_opener(Handler, TLSHandler)
-
-
-_NO_ROUTE = (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN,
-             errno.ENETDOWN)
-
-
-def _unreachable(reason):
-    """Whether a URLError's reason means no connection could be made at all."""
-    if isinstance(reason, (_ConnectTimeout, ConnectionRefusedError, socket.gaierror)):
-        return True
-    if isinstance(reason, OSError) and reason.errno in _NO_ROUTE:
-        return True
-    return isinstance(reason, OSError) and "Tunnel connection failed" in str(reason)
-
-
-class _Progress:
-    """A tqdm bar where stderr is a terminal, else one line every 10 % (every 100 MB when
-    the size is unknown)."""
-
-    def __init__(self, name, total, done):
-        self.name, self.total, self.done = name, total, done
-        self.start, self.start_bytes = time.monotonic(), done
-        self.bar = None
-        if sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True,
-                                unit_divisor=1000, desc=name, file=sys.stderr)
-            except ImportError:
-                pass
-        self.next_mark = self._mark_after(done)
-
-    def _mark_after(self, done):
-        if self.total:
-            step = self.total / 10
-            return (int(done / step) + 1) * step
-        return (done // 100_000_000 + 1) * 100_000_000
-
-    def update(self, n):
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
-        elif self.done >= self.next_mark:
-            self.next_mark = self._mark_after(self.done)
-            self._line()
-
-    def _line(self):
-        elapsed = max(time.monotonic() - self.start, 1e-6)
-        speed = (self.done - self.start_bytes) / elapsed
-        if self.total:
-            left = (self.total - self.done) / speed if speed > 0 else float("inf")
-            eta = f"{left:.0f} s left" if left != float("inf") else "time left unknown"
-            say(f"{self.name}: {100 * self.done / self.total:.0f} % ({human(self.done)} of "
-                f"{human(self.total)}, {human(speed)}/s, {eta})")
-        else:
-            say(f"{self.name}: {human(self.done)} ({human(speed)}/s)")
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _looks_like_html(head):
-    return head.lstrip()[:15].lower().startswith((b"<!doctype html", b"<html"))
-
-
-def _try_url(url, partial, name, timeout, connect_timeout, unverifiable):
-    """Fetch ``url`` into ``partial``, resuming from its bytes. Returns on a complete body;
-    raises _Answer with what went wrong (``retry`` when the same URL may work again).
-    ``unverifiable``: no checksum or size will check the file, so a body whose end cannot
-    be told from a cut (no Content-Length, not chunked) is refused."""
-    have = partial.stat().st_size if partial.exists() else 0
-    headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    try:
-        resp = _opener(connect_timeout).open(urllib.request.Request(url, headers=headers),
-                                             timeout=timeout)
-    except urllib.error.HTTPError as e:
-        if e.code == 416 and have:
-            size = e.headers.get("Content-Range", "").rpartition("/")[2]
-            if size == str(have):  # the partial file is complete (a run killed after it)
-                return
-            partial.unlink()
-            raise _Answer("416 for the partial file's range: starting afresh", retry=True)
-        raise _Answer(f"{e.code} {e.reason}", retry=e.code >= 500 or e.code == 429)
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, (socket.timeout, TimeoutError)):
-            raise _Answer("timed out", retry=True)
-        raise _Answer(f"no connection ({e.reason})", retry=not _unreachable(e.reason))
-    except (socket.timeout, TimeoutError):
-        raise _Answer("timed out", retry=True)
-    except (http.client.HTTPException, OSError) as e:
-        raise _Answer(f"no answer ({e.__class__.__name__}: {e})", retry=True)
-    with resp:
-        length = resp.headers.get("Content-Length")
-        length = int(length) if length and length.isdigit() else None
-        mode = "ab"
-        if resp.status == 206:
-            start = resp.headers.get("Content-Range", "").partition(" ")[2].partition("-")[0]
-            if start != str(have):
-                partial.unlink()  # a range we did not ask for: start afresh
-                raise _Answer(f"206 for another range ({resp.headers.get('Content-Range')})",
-                              retry=True)
-        else:
-            if have:
-                say(f"{name}: the server ignores Range requests; starting afresh")
-            mode, have = "wb", 0
-        total = have + length if length is not None else None
-        if total is None and not resp.chunked and unverifiable:
-            raise _Answer("no Content-Length, and no checksum to tell the whole file from a "
-                          "cut one")
-        ctype = resp.headers.get("Content-Type", "")
-        wants_html = name.endswith((".html", ".htm"))
-        if not wants_html and ctype.split(";")[0].strip().lower() == "text/html":
-            raise _Answer("an HTML page (Content-Type text/html), not the file")
-        progress = _Progress(name, total, have)
-        try:
-            # unbuffered: what write() returned is on disk (a full disk loses nothing)
-            with open(partial, mode, buffering=0) as f:
-                first = mode == "wb"
-                while True:
-                    try:
-                        block = resp.read1(CHUNK)  # what has arrived: kept on a stall
-                    except (socket.timeout, TimeoutError):
-                        raise _Answer(f"timed out after {human(progress.done)}", retry=True)
-                    except (http.client.HTTPException, OSError) as e:
-                        raise _Answer(f"cut after {human(progress.done)} ({e})", retry=True)
-                    if not block:
-                        break
-                    if first and not wants_html and _looks_like_html(block[:64]):
-                        f.truncate(0)
-                        raise _Answer("an HTML page, not the file")
-                    first = False
-                    try:
-                        view = memoryview(block)
-                        while view:
-                            view = view[f.write(view):]
-                    except OSError as e:
-                        if e.errno == errno.ENOSPC:
-                            raise FetchError(
-                                f"the disk is full: {partial} holds {human(progress.done)} "
-                                "so far; free space and run again: the download resumes "
-                                "from there") from None
-                        raise
-                    progress.update(len(block))
-        finally:
-            progress.close()
-        if total is not None and progress.done < total:
-            raise _Answer(f"cut after {human(progress.done)} of {human(total)}", retry=True)
-        if total is not None and partial.stat().st_size != total:
-            partial.unlink()  # written to by something else meanwhile
-            raise _Answer(f"{partial} does not hold the {total} bytes received", retry=True)
-
-
-def fetch(urls, out, *, sha256=None, md5=None, size=None, timeout=30.0, retries=3,
-          backoff=1.0, local_hint=None, record=True):
-    """Fetch ``out`` from the first of ``urls`` that serves it (see the module's docstring);
-    returns ``out``. FetchError says why not; BadInput is bad input, refused before
-    anything is fetched. ``local_hint``: how to pass a local copy instead (in the errors).
-    ``record``: without a public checksum, record the first download's SHA-256 (False:
-    the caller records it once the file has proved whole: ``record_first_seen``)."""
-    out = Path(out)
-    urls = list(urls)
-    for url in urls:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise BadInput(f"{url!r} is not an http(s) URL")
-    if out.is_dir():
-        raise BadInput(f"{out} is a folder: give the file to write (--out FILE)")
-    for parent in out.parents:
-        if parent.exists() and not parent.is_dir():
-            raise BadInput(f"{parent} is a file, not a folder")
-    if sha256 and md5:
-        raise BadInput("give one checksum: --sha256 or --md5")
-    expected = check_digest("sha256", sha256) if sha256 else (
-        check_digest("md5", md5) if md5 else recorded(out))
-    partial, bad = out.with_name(out.name + ".partial"), out.with_name(out.name + ".bad")
-    if dry_run():  # no hashing either: a dry run reads nothing
-        mirrors = f" (mirrors: {' '.join(urls[1:])})" if len(urls) > 1 else ""
-        there = " (there already)" if out.is_file() else ""
-        print(f"++ fetch {urls[0] if urls else '(no URL)'} -> {out}{there}{mirrors}",
-              flush=True)
-        return out
-    if out.is_file():
-        return _there_already(out, expected, record)
-    by_hand = manual_command(urls, out, expected)
-    if offline():
-        raise FetchError(f"OFFLINE=1 and {out} is missing: it comes from "
-                         f"{' or '.join(urls)}; fetch it by hand: {by_hand}")
-    if not urls:
-        raise FetchError(f"no URL for {out}")
-    made = make_folder(out.parent)
-    tried, connecting = [], 0.0  # seconds spent failing to connect, all URLs together
-    try:
-        with locked(out.parent):
-            if out.is_file():  # fetched by the run we waited for
-                return _there_already(out, expected, record)
-            for url in urls:
-                if connecting >= CONNECT_BUDGET:
-                    tried.append(f"{url}: not tried (no connection to the URLs before)")
-                    continue
-                fails = 0
-                while True:
-                    before = partial.stat().st_size if partial.exists() else 0
-                    start = time.monotonic()
-                    try:
-                        say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})"
-                                                         if before else ""))
-                        _try_url(url, partial, out.name, timeout,
-                                 max(CONNECT_BUDGET - connecting, 0.5),
-                                 unverifiable=expected is None and size is None)
-                    except _Answer as answer:
-                        if str(answer).startswith("no connection"):
-                            connecting += time.monotonic() - start
-                        progressed = (partial.stat().st_size if partial.exists() else 0) > before
-                        fails = 0 if progressed else fails + 1
-                        if not answer.retry or fails >= retries:
-                            tried.append(f"{url}: {answer}")
-                            break
-                        delay = backoff * 2 ** max(fails - 1, 0)
-                        say(f"{out.name}: {answer}; trying again in {delay:.0f} s")
-                        time.sleep(delay)
-                        continue
-                    problem = _verify(partial, expected, size, url, out.name)
-                    if problem is not None:
-                        os.replace(partial, bad)
-                        tried.append(f"{url}: {problem} (kept as {bad})")
-                        break
-                    os.replace(partial, out)
-                    bad.unlink(missing_ok=True)
-                    if expected is None and record:
-                        record_first_seen(out)
-                    say(f"{out} fetched" + (f", {expected[0]} verified" if expected else ""))
-                    return out
-    except KeyboardInterrupt:
-        if partial.exists() and partial.stat().st_size:
-            say(f"interrupted: {partial} keeps {human(partial.stat().st_size)}; "
-                "run again to resume")
-        raise
-    finally:
-        if partial.exists() and not partial.stat().st_size:
-            partial.unlink()
-        remove_if_empty(made)  # only where empty: nothing else is left behind
-    reasons = "; ".join(tried)
-    hint = f", or {local_hint}" if local_hint else ""
-    raise FetchError(f"cannot fetch {out.name}: {reasons}. Fetch it by hand ({by_hand}){hint}")
-
-
-def _there_already(out, expected, record):
-    if expected is None:
-        say(f"{out} is there already (no checksum known to verify it)")
-        if record:
-            record_first_seen(out)
-        return out
-    got = file_digest(out, expected[0])
-    if got == expected[1]:
-        say(f"{out} is there already, {expected[0]} verified")
-        return out
-    raise FetchError(f"{out} is there already, but its {expected[0]} is {got}, not "
-                     f"{expected[1]}: it is another file; move it away and run again")
-
-
 def _verify(path, expected, size, url, name):
     """None if the complete download ``path`` is the file, else what is wrong with it.
     Without a checksum, an archive is read whole (a cut or corrupt one fails)."""
@@ -526,16 +232,324 @@ def _verify(path, expected, size, url, name):
     return None
 
 
-def record_first_seen(out):
-    """Record the SHA-256 of ``out`` beside it (no public checksum: later runs check it)."""
-    if record_path(out).is_file():
+# ------------------------------------------------------------------------ folders, locks
+
+
+def locked(path):
+    """The lock ``.NAME.lock`` beside ``path`` (filelock), held: two runs take turns."""
+    lock = FileLock(str(path.with_name(f".{path.name}.lock")))
+    try:
+        return lock.acquire(timeout=0)
+    except Timeout:
+        say(f"waiting for another run fetching or making {path}")
+        return lock.acquire()
+
+
+def make_folder(folder):
+    """``folder`` and its missing parents; returns those made (to remove if left empty).
+    BadInput where a path on the way is a file."""
+    folder = Path(folder)
+    for parent in [folder, *folder.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise BadInput(f"{parent} is a file, not a folder")
+    made = [d for d in [folder, *folder.parents] if not d.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return made
+
+
+def remove_made(made, *lock_of):
+    """The folders this run made, where nothing but its lock files is in them."""
+    if not made:
         return
-    digest = file_digest(out, "sha256")
-    tmp = record_path(out).with_suffix(".tmp")
-    tmp.write_text(f"{digest}  {out.name}\n")
-    os.replace(tmp, record_path(out))
-    say(f"{out.name}: no public checksum; first seen sha256 {digest} "
-        f"(recorded in {record_path(out)}, checked on later runs)")
+    for path in lock_of:
+        with contextlib.suppress(OSError):
+            if [p.name for p in path.parent.iterdir()] == [f".{path.name}.lock"]:
+                path.with_name(f".{path.name}.lock").unlink()
+    for folder in made:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+# ------------------------------------------------------------------------ HTTP
+
+
+class _Answer(Exception):
+    """Why a URL did not serve the file; ``cut``: after some bytes (resumed at once);
+    ``unreachable``: why no connection was made."""
+
+    def __init__(self, text, cut=False, unreachable=None):
+        super().__init__(text)
+        self.cut, self.unreachable = cut, unreachable
+
+
+class _Retry(Retry):
+    """urllib3's Retry, but a refusal, no route or a name that does not exist (not a
+    temporary look-up failure) is not tried again."""
+
+    def increment(self, method=None, url=None, *args, error=None, **kwargs):
+        cause = getattr(error, "original_error", error)  # through a proxy
+        if isinstance(cause, NewConnectionError) and getattr(
+                cause.__cause__, "errno", None) != socket.EAI_AGAIN:
+            raise MaxRetryError(kwargs.get("_pool"), url, error)
+        return super().increment(method, url, *args, error=error, **kwargs)
+
+
+def _open(url, retry, timeouts, method="GET", **kwargs):
+    """requests' answer once urllib3's ``retry`` has done what it may (5xx, 429 and its
+    Retry-After, time-outs); _Answer when there is none."""
+    session = requests.Session()
+    session.headers.update({"User-Agent": USER_AGENT, "Accept-Encoding": "identity"})
+    for prefix in ("http://", "https://"):
+        session.mount(prefix, requests.adapters.HTTPAdapter(max_retries=retry))
+    try:
+        return session.request(method, url, timeout=timeouts, **kwargs)
+    except requests.RequestException as e:
+        why = getattr(e.args[0] if e.args else None, "reason", e)
+        if not isinstance(why, (ConnectTimeoutError, ProxyError)):
+            raise _Answer(f"no answer ({why})") from None
+        text = f"within {timeouts[0]:g} s" if type(why) is ConnectTimeoutError else why
+        raise _Answer(f"no connection ({text})", unreachable=why) from None
+
+
+class _Log:
+    """Where tqdm writes in a log: a line of its own each time, not one rewritten."""
+
+    def write(self, text):
+        return text.strip() and say(text.strip())
+
+    def flush(self):
+        pass
+
+
+def _bar(name, total, have):
+    """tqdm's bar on a terminal; in a log, a line at every tenth of the file."""
+    log = {} if sys.stderr.isatty() else dict(
+        file=_Log(), mininterval=0, miniters=max((total or 10 ** 9) // 10, 1),
+        bar_format="{desc}: " + ("{percentage:.0f} % ({n_fmt}B of {total_fmt}B, {rate_fmt}, "
+                                 "{remaining} left)" if total else "{n_fmt}B ({rate_fmt})"))
+    return tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1000,
+                desc=name, **{"file": sys.stderr, **log})
+
+
+def _size(path):
+    return path.stat().st_size if path.exists() else 0
+
+
+def _restart(partial):
+    partial.unlink(missing_ok=True)
+    partial.with_name(partial.name + ".validator").unlink(missing_ok=True)
+
+
+def _download(url, partial, name, retry, timeouts, unverifiable):
+    """``url`` into ``partial``, resumed with Range and If-Range (the ETag or Last-Modified
+    of its first answer): a file that changed meanwhile, or a server that ignores Range,
+    sends the whole file, which starts afresh. Returns ``partial`` whole, else _Answer.
+    ``unverifiable``: nothing will check the file, so a body whose end cannot be told from
+    a cut is refused."""
+    have, validator = _size(partial), partial.with_name(partial.name + ".validator")
+    headers = {"Range": f"bytes={have}-",
+               "If-Range": validator.read_text() if validator.is_file() else None}
+    with _open(url, retry, timeouts, headers=headers if have else {}, stream=True) as resp:
+        rng = resp.headers.get("Content-Range", "")
+        if have and resp.status_code in (206, 416) and not rng.startswith(f"bytes {have}-"):
+            if rng.endswith(f"/{have}"):
+                return partial  # whole already (a run killed after it)
+            _restart(partial)  # another range: afresh
+            return _download(url, partial, name, retry, timeouts, unverifiable)
+        if resp.status_code >= 400:
+            raise _Answer(f"{resp.status_code} {resp.reason}")
+        if resp.status_code != 206:
+            if have:
+                say(f"{name}: the file changed, or the server ignores Range: starting afresh")
+            _restart(partial)
+            have, etag = 0, resp.headers.get("ETag", "W/")  # a weak ETag is not for If-Range
+            if etag[:2] != "W/" or "Last-Modified" in resp.headers:
+                validator.write_text(etag if etag[:2] != "W/" else resp.headers["Last-Modified"])
+        length = resp.headers.get("Content-Length", "")
+        total = have + int(length) if length.isdigit() else None
+        if total is None and unverifiable and "chunked" not in resp.headers.get(
+                "Transfer-Encoding", ""):
+            raise _Answer("no Content-Length, and no checksum to tell the whole file from a "
+                          "cut one")
+        ctype = resp.headers.get("Content-Type", "")
+        html = not name.endswith((".html", ".htm"))  # a login or quota page is not the file
+        # unbuffered: what write() returned is on disk (a full disk loses nothing)
+        with open(partial, "ab", buffering=0) as f, _bar(name, total, have) as bar:
+            try:  # as served: a .tar.gz sent with Content-Encoding: gzip stays gzipped
+                for block in iter(lambda: resp.raw.read1(CHUNK, decode_content=False), b""):
+                    if html and bar.n == 0 and (ctype.startswith("text/html") or block.lstrip()[
+                            :15].lower().startswith((b"<!doctype html", b"<html"))):
+                        raise _Answer("an HTML page, not the file")
+                    view = memoryview(block)
+                    while view:
+                        view = view[f.write(view):]
+                    bar.update(len(block))
+            except urllib3.exceptions.HTTPError as e:  # a cut, a stall
+                raise _Answer(f"cut after {human(bar.n)} ({e})", cut=True) from None
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                raise FetchError(f"the disk is full: {partial} holds {human(_size(partial))} so "
+                                 "far; free space and run again: the download resumes from "
+                                 "there") from None
+    return partial
+
+
+def _from_hub(url, hub, out, retry, timeouts):
+    """``hub``'s file through huggingface_hub (resumed, at the pinned revision) into a folder
+    beside ``out``, once the hub answers at all (huggingface_hub would retry for long)."""
+    _open(url, retry, timeouts, "HEAD", allow_redirects=False).close()
+    try:
+        from huggingface_hub import hf_hub_download
+        return Path(hf_hub_download(
+            hub["repo"], hub["path"], repo_type=hub.get("type"), revision=hub["revision"],
+            local_dir=out.parent / ".hub" / hub["repo"].replace("/", "--"),
+            endpoint=os.environ.get("HF_ENDPOINT") or None, user_agent=USER_AGENT))
+    except ImportError:
+        raise _Answer("fetching from the Hugging Face hub needs huggingface_hub: pip install "
+                      "'rdrop-fairseq[hf]'") from None
+    except Exception as e:  # huggingface_hub's, httpx's and the OS's
+        raise _Answer(f"{type(e).__name__}: {str(e).partition(chr(10))[0]}") from None
+
+
+def _from_urls(urls, out, partial, expected, size, tries, backoff, timeout, hub):
+    """``out`` from the first of ``urls`` that serves it (``hub``: through huggingface_hub),
+    verified; returns ``[(url, _Answer)]``: why each URL failed (empty: ``out`` is there)."""
+    timeouts = (seconds("RDROP_FETCH_CONNECT_TIMEOUT", 10.0),
+                timeout or seconds("RDROP_FETCH_READ_TIMEOUT", 30.0))
+    tried = []
+    for url in urls:
+        # once a host's name did not resolve, the others' connections are tried once
+        lookups = not any(isinstance(a.unreachable, NameResolutionError) for _, a in tried)
+        retry = _Retry(total=tries - 1, connect=None if lookups else 0, backoff_factor=backoff,
+                       status_forcelist=(429, 500, 502, 503, 504), raise_on_status=False)
+        answer = None
+        while answer is None or answer.cut and _size(partial) > before:
+            before = _size(partial)
+            say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})" if before else ""))
+            try:
+                path = _from_hub(url, hub, out, retry, timeouts) if hub else _download(
+                    url, partial, out.name, retry, timeouts, expected is None and size is None)
+            except _Answer as e:
+                say(f"{out.name}: {e}")
+                answer = e
+                continue
+            problem, bad = _verify(path, expected, size, url, out.name), out.with_name(
+                out.name + ".bad")
+            os.replace(path, bad if problem else out)
+            _restart(partial)
+            if not problem:
+                return []
+            answer = _Answer(f"{problem} (kept as {bad})")
+        tried.append((url, answer))
+    return tried
+
+
+# ------------------------------------------------------------------------ the hub
+
+
+def hub_url(hub, path, endpoint=None):
+    kind = {"dataset": "datasets/", "space": "spaces/"}.get(hub.get("type", "model"), "")
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or HUB).rstrip("/")
+    return f"{endpoint}/{kind}{hub['repo']}/resolve/{hub['revision']}/{path}"
+
+
+# ------------------------------------------------------------------------ one file
+
+
+def fetch(urls, out, *, sha256=None, md5=None, sha1=None, size=None, timeout=None, retries=3,
+          backoff=0.5, local_hint=None, record=False, hub=None):
+    """Fetch ``out`` from the first of ``urls`` that serves it (``hub``: from the Hugging
+    Face hub, ``{"repo", "type", "revision", "path"}``; see the module's docstring);
+    returns ``out``. FetchError says why not (NoNetwork: no URL could be reached);
+    BadInput is bad input, refused before anything is fetched. ``local_hint``: how to pass
+    a local copy instead. ``record``: pin a file that has no checksum by its first
+    download's SHA-256 (``--record``)."""
+    global _no_network
+    out = Path(out)
+    urls = [hub_url(hub, hub["path"])] if hub else list(urls)
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise BadInput(f"{url!r} is not an http(s) URL")
+    if out.is_dir():
+        raise BadInput(f"{out} is a folder: give the file to write (--out FILE)")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise BadInput(f"{parent} is a file, not a folder")
+    given = {k: v for k, v in (("sha256", sha256), ("md5", md5), ("sha1", sha1)) if v}
+    if len(given) > 1:
+        raise BadInput("give one checksum: --sha256, --md5 or --sha1")
+    expected = check_digest(*given.popitem()) if given else recorded(out)
+    if retries < 1:
+        raise BadInput(f"--retries must be 1 or more, not {retries}")
+    seconds("RDROP_FETCH_CONNECT_TIMEOUT", 10.0)  # a bad value: refused before anything
+    seconds("RDROP_FETCH_READ_TIMEOUT", 30.0)
+    if dry_run():  # no hashing either: a dry run reads nothing
+        mirrors = f" (mirrors: {' '.join(urls[1:])})" if len(urls) > 1 else ""
+        there = " (there already)" if out.is_file() else ""
+        print(f"++ fetch {urls[0] if urls else '(no URL)'} -> {out}{there}{mirrors}",
+              flush=True)
+        return out
+    if out.is_file():
+        return _there_already(out, expected, size, record)
+    by_hand = manual_command(urls, out, expected)
+    missing = f"{out} is missing: it comes from {' or '.join(urls)}; fetch it by hand: {by_hand}"
+    if offline():
+        raise FetchError(f"OFFLINE=1 and {missing}", missing)
+    if _no_network is not None:
+        raise NoNetwork(f"no network ({_no_network}): {missing}", missing)
+    if not urls:
+        raise FetchError(f"no URL for {out}")
+    if hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise FetchError(f"HF_HUB_OFFLINE=1 and {missing}", missing)
+    partial, bad = out.with_name(out.name + ".partial"), out.with_name(out.name + ".bad")
+    made, tried = make_folder(out.parent), []
+    try:
+        with locked(out):
+            if out.is_file():  # fetched by the run we waited for
+                return _there_already(out, expected, size, record)
+            tried = _from_urls(urls, out, partial, expected, size, retries, backoff, timeout,
+                               hub)
+            if not tried:
+                bad.unlink(missing_ok=True)
+                if expected is None and record:
+                    record_first_seen(out)
+                say(f"{out} fetched" + (f", {expected[0]} verified" if expected else ""))
+                return out
+    except KeyboardInterrupt:
+        if _size(partial):
+            say(f"interrupted: {partial} keeps {human(_size(partial))}; run again to resume")
+        raise
+    finally:
+        if not _size(partial):
+            _restart(partial)
+        if not out.is_file():
+            remove_made(made, out)  # only where empty: nothing else is left behind
+    reasons = "; ".join(f"{url}: {answer}" for url, answer in tried)
+    hint = f", or {local_hint}" if local_hint else ""
+    if all(answer.unreachable is not None for _, answer in tried):
+        _no_network = f"{tried[-1][0]}: {tried[-1][1]}"
+        raise NoNetwork(f"cannot fetch {out.name}: {reasons}. No host could be reached; as "
+                        f"with OFFLINE=1: {missing}{hint}", missing)
+    raise FetchError(f"cannot fetch {out.name}: {reasons}. Fetch it by hand ({by_hand}){hint}")
+
+
+def _there_already(out, expected, size, record):
+    if size is not None and out.stat().st_size != size:
+        raise FetchError(f"{out} is there already, but it holds {out.stat().st_size} bytes, "
+                         f"not {size}: it is another file; move it away and run again")
+    if expected is None:
+        say(f"{out} is there already (no checksum known to verify it)")
+        if record:
+            record_first_seen(out)
+        return out
+    got = file_digest(out, expected[0])
+    if got == expected[1]:
+        say(f"{out} is there already, {expected[0]} verified")
+        return out
+    raise FetchError(f"{out} is there already, but its {expected[0]} is {got}, not "
+                     f"{expected[1]}: it is another file; move it away and run again")
 
 
 def manual_command(urls, out, expected=None):
@@ -550,21 +564,35 @@ def manual_command(urls, out, expected=None):
 
 
 def load_sources(path=None):
-    """The source table: ``{name: entry}`` (``RDROP_SOURCES`` replaces the packaged one)."""
+    """The source table: ``{name: entry}`` (``RDROP_SOURCES`` replaces the packaged one).
+    FetchError names an entry that is not pinned or not well formed, and what to add."""
     path = Path(path or os.environ.get("RDROP_SOURCES") or TABLE)
     try:
         table = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise FetchError(f"cannot read the source table {path}: {e}") from None
+    table = {k: v for k, v in table.items() if not k.startswith("_")}
     seen = {}
     for name, entry in table.items():
-        if name.startswith("_"):
-            continue
+        hub = entry.get("hub")
+        if hub and not (hub.get("repo") and hub.get("revision")):
+            raise FetchError(f"{path}: {name}'s hub needs a repo and a revision")
+        make = entry.get("make", "copy")
+        if make not in ("copy", "unpack") and not all(make.partition(":")[::2]):
+            raise FetchError(f"{path}: {name}'s make is {make!r}: give copy, unpack or "
+                             "module:function")
         for f in entry.get("files", []):
             if f["name"] in seen:
                 raise FetchError(f"{path}: {name} and {seen[f['name']]} both name {f['name']}")
             seen[f["name"]] = name
-    return {k: v for k, v in table.items() if not k.startswith("_")}
+            if not (f.get("urls") or (hub and f.get("path"))):
+                raise FetchError(f"{path}: {name}'s {f['name']} needs urls (or a path on its "
+                                 "hub)")
+            if not ((_checksum_of(f) and f.get("size")) or f.get("no_public_record")):
+                raise FetchError(f"{path}: {name}'s {f['name']} is not pinned: give its sha256 "
+                                 "(or md5, sha1) and size, or say in no_public_record why none is "
+                                 "known")
+    return table
 
 
 def _checksum_of(spec):
@@ -574,7 +602,11 @@ def _checksum_of(spec):
     return None
 
 
-def get(name, downloads, dest=None, table=None):
+def _hub_of(entry, spec):
+    return dict(entry["hub"], path=spec["path"]) if entry.get("hub") else None
+
+
+def get(name, downloads, dest=None, table=None, record=False):
     """The files of source ``name`` in ``downloads`` (fetched if missing), and with ``dest``
     DEST made from them (unless there already). Returns DEST, or the downloaded paths."""
     table = table if table is not None else load_sources()
@@ -594,54 +626,61 @@ def get(name, downloads, dest=None, table=None):
         say(f"{dest} is there already ({name})")
         return dest
     downloads = Path(downloads)
-    paths, missing = [], []
+    paths, missing, first = [], [], None
     for spec in entry["files"]:
         out = downloads / spec["name"]
         check = _checksum_of(spec)
         try:
-            # without a public checksum, a file that DEST is made from is recorded once
-            # DEST is made: a file that the making refuses is not pinned
-            fetch(spec["urls"], out, size=spec.get("size"), local_hint=entry.get("local"),
-                  record=dest is None, **({check[0]: check[1]} if check else {}))
+            fetch(spec.get("urls", []), out, size=spec.get("size"), record=record,
+                  local_hint=entry.get("local"), hub=_hub_of(entry, spec),
+                  **({check[0]: check[1]} if check else {}))
         except FetchError as e:
-            if not offline():
+            if e.missing is None or not (offline() or isinstance(e, NoNetwork)):
                 raise
-            missing.append(str(e).replace("OFFLINE=1 and ", ""))
+            first = first or e
+            missing.append(e.missing)
         paths.append(out)
-    if missing:
-        raise FetchError("OFFLINE=1: " + " | ".join(missing)
-                         + (f" | or {entry['local']}" if entry.get("local") else ""))
+    if missing:  # every missing file named, and where it comes from
+        local = f" | or {entry['local']}" if entry.get("local") else ""
+        if isinstance(first, NoNetwork):
+            reasons = str(first).partition(" No host could be reached")[0]
+            raise NoNetwork(f"{reasons} No host could be reached; as with OFFLINE=1: "
+                            + " | ".join(missing) + local, " | ".join(missing))
+        raise FetchError("OFFLINE=1: " + " | ".join(missing) + local, " | ".join(missing))
     if dest is None:
         return paths
     if dry_run():
         print(f"++ make {dest} ({entry.get('make', 'copy')}) from "
               f"{', '.join(p.name for p in paths)}", flush=True)
         return dest
-    unchecked = [p for p, spec in zip(paths, entry["files"]) if not _checksum_of(spec)]
-    try:
-        make(entry.get("make", "copy"), paths, dest, entry)
-    except FetchError as e:
-        if not unchecked:
-            raise
-        for path in unchecked:  # set aside, so that the next run fetches them afresh
-            os.replace(path, path.with_name(path.name + ".bad"))
-            record_path(path).unlink(missing_ok=True)
-        raise FetchError(f"{e}. No public checksum checked {'them' if len(unchecked) > 1 else 'it'}:"
-                         f" set aside as .bad, fetched afresh by the next run") from None
-    for path in unchecked:
-        record_first_seen(path)
+    make(entry.get("make", "copy"), paths, dest, entry)
     return dest
+
+
+def _maker(kind):
+    """The function that makes a folder from downloaded files: ``fn(paths, folder)``."""
+    if kind == "copy":
+        return lambda paths, folder: [shutil.copyfile(p, folder / p.name) for p in paths]
+    if kind == "unpack":
+        return lambda paths, folder: unpack(paths[0], folder)
+    module, _, function = kind.partition(":")
+    try:
+        return getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as e:
+        raise FetchError(f"the source table's make {kind!r} cannot be loaded ({e}): give "
+                         "copy, unpack or module:function") from None
 
 
 def make(kind, paths, dest, entry):
     """DEST from the downloaded ``paths``, made whole in a sibling folder, then renamed.
-    FetchError names the files and their source when they cannot be made into DEST."""
-    from . import prepare_cnndm, prepare_glue
-
+    FetchError names the files and their source when they cannot be made into DEST; the
+    downloads are left as they are (verified: the next run makes DEST from them)."""
+    maker = _maker(kind)
     made = make_folder(dest.parent)
-    source = ", ".join(f["urls"][0] for f in entry["files"])
+    source = ", ".join((f.get("urls") or [hub_url(entry["hub"], f.get("path", ""))])[0]
+                       for f in entry["files"])
     try:
-        with locked(dest.parent):
+        with locked(dest):
             if dest.exists():  # made by the run we waited for
                 return
             for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
@@ -649,38 +688,31 @@ def make(kind, paths, dest, entry):
             tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
             tmp.mkdir()
             try:
-                if kind == "copy":
-                    for path in paths:
-                        shutil.copyfile(path, tmp / path.name)
-                elif kind == "unpack":
-                    unpack(paths[0], tmp, source)
-                elif kind == "mrpc":
-                    prepare_glue.mrpc_from_senteval(*paths, tmp)
-                elif kind == "cnndm":
-                    prepare_cnndm.from_parquet(paths, tmp)
-                else:
-                    raise FetchError(f"unknown way to make {dest}: {kind!r}")
+                maker(paths, tmp)
                 os.replace(tmp, dest)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-    except (OSError, ValueError, KeyError, prepare_glue.GlueDataError) as e:
-        remove_if_empty(made)
+    except FetchError:
+        remove_made(made, dest)
+        raise
+    except Exception as e:  # the maker's own errors: a full disk, files it refuses
+        remove_made(made, dest)
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise FetchError(f"the disk is full while making {dest}: free space and run "
-                             "again") from None
+                             "again (the downloads are kept: nothing is fetched again)") from None
         names = ", ".join(str(p) for p in paths)
         raise FetchError(f"{names} (from {source}) cannot be made into {dest}: "
                          f"{e.__class__.__name__}: {e}") from None
     except BaseException:
-        remove_if_empty(made)
+        remove_made(made, dest)
         raise
     say(f"{dest} made from {', '.join(p.name for p in paths)}")
 
 
-def unpack(archive, into, source):
+def unpack(archive, into):
     """The archive's files into ``into``, without their common top folder (``roberta.base/``,
-    ``RTE/``); a corrupt archive is FetchError naming it and ``source``."""
+    ``RTE/``); a corrupt archive is FetchError naming it."""
     try:
         if zipfile.is_zipfile(archive):
             with zipfile.ZipFile(archive) as zf:
@@ -708,7 +740,7 @@ def unpack(archive, into, source):
     except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as e:
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise
-        raise FetchError(f"{archive} (from {source}) cannot be extracted: {e}") from None
+        raise FetchError(f"{archive} cannot be extracted: {e}") from None
 
 
 def _common_top(names):
@@ -722,7 +754,7 @@ def _common_top(names):
 def markdown_table(table=None):
     """The source table as docs/data.md prints it."""
     table = table if table is not None else load_sources()
-    rows = ["| source | file | size | checksum | licence | recipes |",
+    rows = ["| source | file | size | pinned by | licence | recipes |",
             "|---|---|---|---|---|---|"]
     for name, entry in table.items():
         if entry.get("manual"):
@@ -731,12 +763,16 @@ def markdown_table(table=None):
             continue
         for spec in entry["files"]:
             check = _checksum_of(spec)
-            check = (f"{check[0]} `{check[1][:12]}…` ({entry.get('checksum_from', 'public')})"
-                     if check else "first seen: recorded at the first download")
+            pin = f"{check[0]} `{check[1][:12]}…`" if check else ""
+            if spec.get("no_public_record"):
+                pin = (pin + "; " if pin else "") + "no public record: whole-file check"
+            if entry.get("hub"):
+                pin += f"; hub revision `{entry['hub']['revision'][:12]}`"
             size = human(spec["size"]) if spec.get("size") else "–"
-            link = f"[{spec['name']}]({spec['urls'][0]})"
-            rows.append(f"| {name} | {link} | {size} | {check} | {entry.get('licence', '')} | "
-                        f"{entry.get('used_by', '')} |")
+            url = spec["urls"][0] if spec.get("urls") else hub_url(entry["hub"], spec["path"],
+                                                                    HUB)
+            rows.append(f"| {name} | [{spec['name']}]({url}) | {size} | {pin} | "
+                        f"{entry.get('licence', '')} | {entry.get('used_by', '')} |")
     return "\n".join(rows) + "\n"
 
 
@@ -751,12 +787,18 @@ def main(argv=None):
     check = p.add_mutually_exclusive_group()
     check.add_argument("--sha256", help="the file's SHA-256 (with --out)")
     check.add_argument("--md5", help="the file's MD5 (with --out)")
+    check.add_argument("--sha1", help="the file's SHA-1 (with --out)")
+    p.add_argument("--record", action="store_true",
+                   help="pin a file without a public checksum by the SHA-256 of its first "
+                        "download (FILE.sha256, checked on later runs)")
     p.add_argument("--dir", type=Path, help="where the named sources' files go")
     p.add_argument("--list", action="store_true", help="print the source table (markdown)")
-    p.add_argument("--timeout", type=float, default=30.0,
-                   help="seconds without data before a try counts as timed out (default 30)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds without data before a try counts as timed out (default: "
+                        "RDROP_FETCH_READ_TIMEOUT, else 30)")
     p.add_argument("--retries", type=int, default=3,
-                   help="tries per URL on 5xx, time-outs and cuts (default 3)")
+                   help="tries per URL on 5xx, 429, time-outs and temporary name-lookup "
+                        "failures (default 3); a download cut after some bytes resumes")
     a = p.parse_args(argv)
     if a.list:
         print(markdown_table(), end="")
@@ -767,21 +809,22 @@ def main(argv=None):
         p.error("nothing to fetch: give URLs (with --out) or source names (with --dir)")
     try:
         if a.out:
-            fetch(a.items, a.out, sha256=a.sha256, md5=a.md5, timeout=a.timeout,
-                  retries=a.retries)
+            fetch(a.items, a.out, sha256=a.sha256, md5=a.md5, sha1=a.sha1, timeout=a.timeout,
+                  retries=a.retries, record=a.record)
             return
-        if a.sha256 or a.md5:
-            p.error("--sha256/--md5 go with --out; the table holds the sources' checksums")
+        if a.sha256 or a.md5 or a.sha1:
+            p.error("--sha256/--md5/--sha1 go with --out; the table holds the sources' "
+                    "checksums")
         table = load_sources()
         errors = []
         for item in a.items:
             name, _, dest = item.partition("=")
             try:
-                get(name, a.dir, dest or None, table)
+                get(name, a.dir, dest or None, table, record=a.record)
             except FetchError as e:
-                if not offline():
+                if not (offline() or isinstance(e, NoNetwork)):
                     raise
-                errors.append(str(e))  # OFFLINE=1: name every missing input, then fail
+                errors.append(str(e))  # no network: name every missing input, then fail
         if errors:
             raise FetchError("\n".join(errors))
     except BadInput as e:

@@ -172,6 +172,12 @@ def mrpc_from_senteval(train_txt, test_txt, dev_ids, out):
           flush=True)
 
 
+def mrpc_from_downloads(paths, out):
+    """MRPC from the source table's downloads (``make`` of ``glue-MRPC``): SentEval's
+    train and test files and GLUE's dev ids, in that order."""
+    mrpc_from_senteval(*paths, out)
+
+
 def _init_bpe(encoder_json, vocab_bpe):
     global _ENCODER
     from fairseq.data.encoders.gpt2_bpe_utils import get_encoder

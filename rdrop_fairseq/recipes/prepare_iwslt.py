@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Prepare an IWSLT TED corpus as fairseq's examples/translation/prepare-iwslt14.sh does.
 
-From the official archive of a pair (``de-en.tgz`` etc.: a local path, or a URL that is
+From the official archive of a pair (``de-en.tgz`` etc., or the same WIT3 layout as a zip,
+as the Hugging Face hub serves IWSLT17's ``en-zh.zip``: a local path, or a URL that is
 downloaded when online): training text from ``train.tags.PAIR.LANG`` without its markup
 lines, the test set from the TED dev/tst XML files (dev2010, dev2012, tst2010-2012 for
 IWSLT14 de-en), then ``prepare_translation.py`` with the recipe's settings: Moses
@@ -21,7 +22,8 @@ IWSLT14 de-en: scripts/iwslt14.sh fetches fairseq's mirror of the archive (the s
 table's ``iwslt14-de-en``: python -m rdrop_fairseq.recipes.fetch --list). For the other
 pairs, which no live host serves, pass the archive of the same format (``train.tags.PAIR.*``
 and ``IWSLT*.TED*.xml``).
-IWSLT17 En<->Zh (``en-zh.tgz``) is prepared as the paper's separate dictionaries: one
+IWSLT17 En<->Zh (``en-zh.zip`` from the Hugging Face hub's ``IWSLT/iwslt2017``, which
+scripts/iwslt14.sh fetches, or ``en-zh.tgz``) is prepared as the paper's separate dictionaries: one
 sentencepiece BPE model per language on the raw text (which segments the Chinese), no
 lower-casing, training pairs of 1-175 pieces without a length-ratio filter (Chinese and
 English piece counts are not comparable), ``--vocab-size`` pieces per language.
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import os
 import tarfile
+import zipfile
 from pathlib import Path
 
 from . import fetch as downloader
@@ -83,8 +86,15 @@ def test_files(root, pair, lang):
 def extract(archive, src, tgt, raw):
     pair = f"{src}-{tgt}" if Path(archive).name.startswith(f"{src}-{tgt}") else f"{tgt}-{src}"
     work = raw.parent / "orig"
-    with tarfile.open(archive) as tar:
-        tar.extractall(work, filter="data")
+    if zipfile.is_zipfile(archive):  # the Hugging Face hub's copy (IWSLT17): same layout
+        with zipfile.ZipFile(archive) as zf:
+            bad = [n for n in zf.namelist() if n.startswith("/") or ".." in n.split("/")]
+            if bad:
+                sys.exit(f"error: {archive} holds an unsafe path {bad[0]!r}")
+            zf.extractall(work)
+    else:
+        with tarfile.open(archive) as tar:
+            tar.extractall(work, filter="data")
     raw.mkdir(parents=True, exist_ok=True)
     for lang in (src, tgt):
         train = list(work.rglob(f"train.tags.{pair}.{lang}"))
