@@ -811,8 +811,13 @@ def hub(server, monkeypatch, tmp_path):
     return files
 
 
-def test_hub_files_come_through_huggingface_hub_at_the_pinned_revision(server, hub, tmp_path):
-    pytest.importorskip("huggingface_hub")
+def test_hub_files_come_through_huggingface_hub_at_the_pinned_revision(server, hub, tmp_path,
+                                                                      monkeypatch):
+    hub_lib = pytest.importorskip("huggingface_hub")
+    # the Hugging Face tests set HF_HUB_OFFLINE=1 for their process, which the library reads
+    # at its import: this test's hub is a local stand-in, reachable
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub_lib.constants, "HF_HUB_OFFLINE", False)
     hub["config.json"], hub["model.safetensors"] = b'{"a": 1}', DATA
     entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
              "files": [{"name": f"model/{n}", "path": n, "size": len(d),
