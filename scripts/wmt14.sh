@@ -4,13 +4,15 @@
 #
 #   bash scripts/wmt14.sh [prepare|train|evaluate|all] [extra arguments]
 #   GOOGLE=wmt16_en_de_bpe32k bash scripts/wmt14.sh    # En-De on the authors' data
+#   GOOGLE=regenerate bash scripts/wmt14.sh            # that data made again from statmt.org
 #   PAIR=en-fr bash scripts/wmt14.sh prepare
 #   GPUS=4 DRY_RUN=1 bash scripts/wmt14.sh train     # fp16, update-freq 32: print only
 #
 # Environment: PAIR (en-de or en-fr; default en-de), GOOGLE (En-De: the folder Google's
-# preprocessed WMT'16 En-De, wmt16_en_de.tar.gz, was extracted in: the authors' data; set it
-# for every stage; no live source: docs/data.md), ORIG (without GOOGLE: the folder holding
-# the official archives, used as it is; default: wmt14-orig beside DATA_DIR, shared by both
+# preprocessed WMT'16 En-De, wmt16_en_de.tar.gz, was extracted in: the authors' data, no live
+# source; or "regenerate": made again from its statmt.org archives with google/seq2seq's
+# steps, which docs/data.md compares; set it for every stage), ORIG (the folder holding the
+# official archives, used as it is; default: wmt14-orig beside DATA_DIR, shared by both
 # pairs, where they are fetched), OFFLINE, DATA_DIR, SAVE_DIR, MODE
 # (rdrop, baseline, no-kl, doubled-batch), ALPHA, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ,
 # MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, AVERAGE (default 0: test
@@ -30,6 +32,7 @@ DATA_NAME=wmt14.$PAIR
 if [ -n "${GOOGLE:-}" ]; then
   [ "$PAIR" = en-de ] || die "GOOGLE is Google's WMT'16 En-De: PAIR=en-de, not $PAIR"
   DATA_NAME=wmt16-google.en-de
+  [ "$GOOGLE" != regenerate ] || DATA_NAME=wmt16-regenerated.en-de
 fi
 DATA_DIR=${DATA_DIR:-work/$DATA_NAME}
 SAVE_DIR=${SAVE_DIR:-checkpoints/$DATA_NAME.$MODE.seed$SEED}
@@ -42,6 +45,18 @@ detect_devices
 set_mode 5
 
 prepare() {
+  local orig=${ORIG:-$(dirname "$DATA_DIR")/wmt14-orig} into=()
+  ! given ORIG || into=(--extract-to "$(dirname "$DATA_DIR")/wmt14-extracted")
+  if [ "${GOOGLE:-}" = regenerate ]; then
+    # Google's WMT'16 En-De made again (tokenised, cleaned, BPE'd text in Google's file
+    # names beside DATA_DIR), then binarised as below
+    given ORIG || fetch_into "$orig" europarl-v7-de-en wmt13-commoncrawl wmt16-nc-v11 \
+                                     wmt16-dev wmt16-test
+    run "$PYTHON" -m rdrop_fairseq.recipes.prepare_wmt14 \
+        --google "$(dirname "$DATA_DIR")/wmt16_en_de_regenerated" --regenerate-from "$orig" \
+        "${into[@]}" --out "$DATA_DIR" "${EXTRA[@]}"
+    return
+  fi
   if [ -n "${GOOGLE:-}" ]; then
     # the authors' data: Google's WMT'16 En-De binarised as fairseq's Scaling NMT recipe
     need "$GOOGLE" "GOOGLE must be the folder wmt16_en_de.tar.gz was extracted in"
@@ -49,10 +64,7 @@ prepare() {
         --out "$DATA_DIR" "${EXTRA[@]}"
     return
   fi
-  local orig=${ORIG:-$(dirname "$DATA_DIR")/wmt14-orig} into=()
-  if given ORIG; then  # used as it is: extracted elsewhere
-    into=(--extract-to "$(dirname "$DATA_DIR")/wmt14-extracted")
-  else  # the archives from statmt.org (their checksums are TFDS's)
+  if ! given ORIG; then  # the archives from statmt.org (their checksums are TFDS's)
     local archives=(wmt13-europarl-v7 wmt13-commoncrawl wmt17-nc-v12 wmt14-test-full)
     [[ " ${EXTRA[*]} " != *" --icml17 "* ]] || archives[2]=wmt14-nc-v9
     [ "$PAIR" = en-de ] || archives=(wmt13-europarl-v7 wmt13-commoncrawl wmt13-un wmt14-nc-v9

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
 import threading
@@ -214,6 +215,81 @@ def test_cnndm_prepare_builds_the_text_from_parquet_and_unpacks_bart(server, tmp
     assert (work / "cnn_dm-bin" / "bin" / "train.source-target.source.bin").is_file()
 
 
+def _sgm(segments):
+    return "<refset>\n<doc docid=\"x\">\n" + "".join(
+        f'<seg id="{i}">{seg}</seg>\n' for i, seg in enumerate(segments, 1)) + "</doc>\n"
+
+
+def test_wmt16_regenerate_fetches_the_statmt_archives_and_remakes_googles_files(server,
+                                                                                tmp_path):
+    """GOOGLE=regenerate: google/seq2seq's wmt16_en_de.sh steps on tiny stand-ins of its five
+    archives: the corpora concatenated, SGML test sets as input-from-sgm.perl reads them,
+    Moses tokenisation with XML escaping, clean-corpus-n 1-80 (ratio 9), a joint BPE as
+    subword-nmt learnt and applied it in early 2017."""
+    de, en = lines(40, 8), lines(40, 9)
+    de[0], en[0] = 'Er sagte "ja" & ging.', 'He said "yes" & left, it\'s [old].'
+    de[1], en[1] = " ".join(["Haus"] * 81), " ".join(["house"] * 81)  # > 80 tokens
+    de[2], en[2] = "Haus", " ".join(["house"] * 10)  # ratio 10 > 9
+    de[3], en[3] = "", "house"  # an empty side
+    parts = {"europarl": (0, 20), "commoncrawl": (20, 30), "nc": (30, 40)}
+    corpus = {"europarl": "europarl-v7.de-en", "commoncrawl": "commoncrawl.de-en",
+              "nc": "training-parallel-nc-v11/news-commentary-v11.de-en"}
+
+    def archive(key):
+        lo, hi = parts[key]
+        return tgz_bytes({f"{corpus[key]}.{lang}": "".join(x + "\n" for x in text[lo:hi])
+                          for lang, text in (("de", de), ("en", en))})
+
+    tests = {year: (lines(3, year), lines(3, year + 1)) for year in (2014, 2015, 2016)}
+    dev = {"dev/newstest2013.de": "Das Haus .\nEin Auto\n",
+           "dev/newstest2013.en": "The house .\nA car\n"}
+    for year in (2014, 2015):
+        dev[f"dev/newstest{year}-deen-src.de.sgm"] = _sgm(tests[year][0])
+        dev[f"dev/newstest{year}-deen-ref.en.sgm"] = _sgm(tests[year][1])
+    # input-from-sgm.perl: white space runs made one space; a segment over two lines joined
+    dev["dev/newstest2014-deen-src.de.sgm"] = _sgm(["  das   alte\tHaus  ", "zwei\nZeilen",
+                                                     tests[2014][0][2]])
+    table = serve(server, tmp_path, {
+        "europarl-v7-de-en": ({"europarl-v7-de-en.tgz": archive("europarl")}, {}),
+        "wmt13-commoncrawl": ({"training-parallel-commoncrawl.tgz": archive("commoncrawl")}, {}),
+        "wmt16-nc-v11": ({"training-parallel-nc-v11.tgz": archive("nc")}, {}),
+        "wmt16-dev": ({"wmt16-dev.tgz": tgz_bytes(dev)}, {}),
+        "wmt16-test": ({"wmt16-test.tgz": tgz_bytes({
+            "test/newstest2016-deen-src.de.sgm": _sgm(tests[2016][0]),
+            "test/newstest2016-deen-ref.en.sgm": _sgm(tests[2016][1])})}, {})})
+    log = script(tmp_path, "wmt14", "prepare", "--workers", 1, GOOGLE="regenerate",
+                 RDROP_SOURCES=table).output
+    work = tmp_path / "work"
+    google = work / "wmt16_en_de_regenerated"
+    tok = {lang: (google / f"train.tok.clean.{lang}").read_text().splitlines()
+           for lang in ("de", "en")}
+    assert len(tok["de"]) == len(tok["en"]) == 37  # the three pairs cleaned out
+    assert "cleaned: 37 of 40 training pairs kept" in log
+    assert tok["en"][0] == "He said &quot; yes &quot; &amp; left , it &apos;s &#91; old &#93; ."
+    assert tok["de"][0] == "Er sagte &quot; ja &quot; &amp; ging ."
+    assert tok["de"][-1] == de[-1]  # news commentary last, as the script concatenates
+    assert (google / "newstest2014.tok.de").read_text().splitlines()[:2] == [
+        "das alte Haus", "zweiZeilen"]
+    assert (google / "newstest2016.tok.en").read_text().splitlines() == tests[2016][1]
+    assert (google / "newstest2013.tok.en").read_text().splitlines() == ["The house .", "A car"]
+    # the codes of subword-nmt as of early 2017: no "#version: 0.2", "</w>" a symbol of its own
+    codes = (google / "bpe.32000").read_text().splitlines()
+    assert codes and not codes[0].startswith("#") and " </w>" in [c[1:] for c in codes]
+    bpe = (google / "train.tok.clean.bpe.32000.en").read_text().splitlines()
+    assert len(bpe) == 37 and [line.replace("@@ ", "") for line in bpe] == tok["en"]
+    for year in (2013, 2014, 2015, 2016):
+        assert (google / f"newstest{year}.tok.bpe.32000.de").is_file()
+    data = work / "wmt16-regenerated.en-de"
+    assert (data / "bin" / "test.en-de.de.bin").is_file()  # binarised as GOOGLE=DIR does
+    assert [r["path"] for r in server.log] == [
+        "/europarl-v7-de-en.tgz", "/training-parallel-commoncrawl.tgz",
+        "/training-parallel-nc-v11.tgz", "/wmt16-dev.tgz", "/wmt16-test.tgz"]
+    shutil.rmtree(data)
+    log = script(tmp_path, "wmt14", "prepare", GOOGLE="regenerate", RDROP_SOURCES=table).output
+    assert "holds the regenerated files already" in log and len(server.log) == 5
+    assert (data / "bin" / "dict.en.txt").is_file()
+
+
 def test_inputs_the_user_sets_are_used_as_they_are(server, tmp_path):
     table = serve(server, tmp_path, glue_sources(tmp_path))
     mine = tmp_path / "mine"
@@ -255,6 +331,8 @@ WMT_EN_DE = ["wmt13-europarl-v7", "wmt13-commoncrawl", "wmt17-nc-v12", "wmt14-te
     ("iwslt14", {"SRC": "en", "TGT": "de"}, ["iwslt14-de-en"]),
     ("iwslt14", {"SRC": "zh", "TGT": "en"}, ["iwslt17-en-zh"]),
     ("wmt14", {}, WMT_EN_DE),
+    ("wmt14", {"GOOGLE": "regenerate"}, ["europarl-v7-de-en", "wmt13-commoncrawl",
+                                         "wmt16-nc-v11", "wmt16-dev", "wmt16-test"]),
     ("wmt14", {"PAIR": "en-fr"}, ["wmt13-europarl-v7", "wmt13-commoncrawl", "wmt13-un",
                                   "wmt14-nc-v9", "wmt10-giga-fren", "wmt14-test-full"]),
     ("glue", {"TASK": "QQP"}, ["glue-QQP", "gpt2-bpe"]),

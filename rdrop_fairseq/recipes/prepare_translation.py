@@ -115,18 +115,21 @@ def _moses(kind, lang):
             else MosesTokenizer(lang=lang))
 
 
-def _process(line, lang, normalize, aggressive_dash, lowercase):
+def _process(line, lang, normalize, aggressive_dash, lowercase, escape=False):
     if normalize:  # normalize-punctuation.perl, then remove-non-printing-char.perl
         line = _non_printing().sub(" ", _moses("norm", lang).normalize(line))
     line = _moses("tok", lang).tokenize(line, aggressive_dash_splits=aggressive_dash,
-                                        escape=False, return_str=True)
+                                        escape=escape, return_str=True)
     return line.lower() if lowercase else line
 
 
-def tokenize(lines, lang, lowercase=False, normalize=False, aggressive_dash=False, workers=1):
-    """Moses tokenisation (sacremoses) of ``lines``, in ``workers`` processes."""
+def tokenize(lines, lang, lowercase=False, normalize=False, aggressive_dash=False, workers=1,
+             escape=False):
+    """Moses tokenisation (sacremoses) of ``lines``, in ``workers`` processes; ``escape``:
+    ``&``, ``|``, ``<``, ``>``, quotes and brackets as XML entities (``&apos;``, ``&quot;``,
+    ...), as tokenizer.perl does unless given -no-escape."""
     fn = functools.partial(_process, lang=lang, normalize=normalize,
-                           aggressive_dash=aggressive_dash, lowercase=lowercase)
+                           aggressive_dash=aggressive_dash, lowercase=lowercase, escape=escape)
     if workers <= 1 or len(lines) < 10000:
         return [fn(line) for line in lines]
     with multiprocessing.Pool(workers) as pool:
