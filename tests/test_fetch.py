@@ -813,11 +813,12 @@ def hub(server, monkeypatch, tmp_path):
 
 def test_hub_files_come_through_huggingface_hub_at_the_pinned_revision(server, hub, tmp_path,
                                                                       monkeypatch):
-    hub_lib = pytest.importorskip("huggingface_hub")
     # the Hugging Face tests set HF_HUB_OFFLINE=1 for their process, which the library reads
-    # at its import: this test's hub is a local stand-in, reachable
+    # at its import (a lazy module: its constants are a submodule of their own): this test's
+    # hub is a local stand-in, reachable
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(hub_lib.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
     hub["config.json"], hub["model.safetensors"] = b'{"a": 1}', DATA
     entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
              "files": [{"name": f"model/{n}", "path": n, "size": len(d),
