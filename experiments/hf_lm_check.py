@@ -47,7 +47,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -57,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from .common import DecayAll, mode_rows, step_timer, train_in_process
 from .prepare_sotu import SOTU_URL
 from .sotu_lm_check import MAX_EPOCH, PATIENCE, SEEDS, SINCE, TOKENS_PER_SAMPLE
 
@@ -66,7 +66,6 @@ MODEL = dict(n_layer=2, n_embd=192, n_head=4, n_inner=768, activation_function="
              resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
 LR, WARMUP, WEIGHT_DECAY, ALPHA = 2e-3, 100, 0.01, 1.0
 CONTEXT = TOKENS_PER_SAMPLE // 2  # evaluate_lm's context window in sotu_lm_check
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 # --------------------------------------------------------------------------------- data
@@ -186,32 +185,12 @@ def make_model(vocab, dictionary, seed):
 
 
 def trainer_classes():
-    from transformers import Trainer, TrainerCallback
+    """The baseline's and R-Drop's trainers, both decaying every parameter as fairseq."""
+    from transformers import Trainer
 
     from rdrop_fairseq.hf import RDropTrainer
-
-    class DecayAll:
-        """Weight decay on every parameter, as fairseq's Adam (the Trainer leaves biases
-        and LayerNorms out)."""
-
-        def get_decay_parameter_names(self, model):
-            return [name for name, _ in model.named_parameters()]
-
-    class StepTime(TrainerCallback):
-        """The seconds of each update's forward, backward and optimizer step, summed."""
-
-        def __init__(self):
-            self.seconds, self.updates, self._start = 0.0, 0, None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.seconds += time.perf_counter() - self._start
-            self.updates += 1
-
     return (type("OnePassTrainer", (DecayAll, Trainer), {}),
-            type("RDropDecayAllTrainer", (DecayAll, RDropTrainer), {}), StepTime)
+            type("RDropDecayAllTrainer", (DecayAll, RDropTrainer), {}))
 
 
 def last_checkpoint(out):
@@ -239,8 +218,8 @@ def train_one(a):
         load_best_model_at_end=True, metric_for_best_model="eval_loss",
         greater_is_better=False, logging_strategy="epoch", report_to="none",
         disable_tqdm=True, dataloader_num_workers=0)
-    one_pass, rdrop, step_time = trainer_classes()
-    timer = step_time()
+    one_pass, rdrop = trainer_classes()
+    timer = step_timer()
     common = dict(model=model, args=args, train_dataset=blocks(train, eos),
                   eval_dataset=blocks(valid, eos), data_collator=partial(collate, pad=pad),
                   callbacks=[EarlyStoppingCallback(early_stopping_patience=a.patience), timer])
@@ -310,22 +289,7 @@ def run_in_process(a, data_bin, mode, seed):
            "--data-bin", str(data_bin), "--run", mode, str(seed), "--max-epoch",
            str(a.max_epoch), "--patience", str(a.patience), "--alpha", str(a.alpha),
            *(["--no-fused-linear"] if not a.fused_linear else [])]
-    print(f"[hf-lm] {mode}-s{seed}: training (log {run_dir / 'train.log'})", flush=True)
-    start = time.monotonic()
-    with open(run_dir / "train.log", "a") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **ONE_THREAD})
-        _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) or not result.is_file():
-        sys.exit(f"error: {mode}-s{seed} failed; see {run_dir / 'train.log'}")
-    out = json.loads(result.read_text())
-    out.update(wall_minutes=(time.monotonic() - start) / 60,
-               cpu_minutes=(usage.ru_utime + usage.ru_stime) / 60)
-    return out
-
-
-def mean_std(values):
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    return train_in_process("hf-lm", f"{mode}-s{seed}", run_dir, cmd)
 
 
 def table(results):
@@ -335,15 +299,9 @@ def table(results):
         lines.append(f"| {r['run']} | {r['epochs']} | {r['best_epoch']} | "
                      f"{r['valid_blocks_ppl']:.2f} | {r['valid_ppl']:.2f} | "
                      f"{r['test_ppl']:.2f} | {r['seconds_per_update']:.3f} |")
-    for mode in MODES:
-        runs = [r for r in results if r["mode"] == mode]
-        if runs:
-            cells = [(mean_std([r[k] for r in runs]), d) for k, d in (
-                ("epochs", 1), ("best_epoch", 1), ("valid_blocks_ppl", 2), ("valid_ppl", 2),
-                ("test_ppl", 2), ("seconds_per_update", 3))]
-            lines.append(f"| **{mode}**, mean ± std of {len(runs)} | " + " | ".join(
-                f"{m:.{d}f} ± {s:.{d}f}" for (m, s), d in cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + mode_rows(results, MODES, (
+        ("epochs", 1), ("best_epoch", 1), ("valid_blocks_ppl", 2), ("valid_ppl", 2),
+        ("test_ppl", 2), ("seconds_per_update", 3))))
 
 
 def parse_args(argv):

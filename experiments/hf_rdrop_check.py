@@ -61,6 +61,7 @@ from transformers import (BertForSequenceClassification, Trainer, TrainerCallbac
 
 from experiments import attendout_check
 from experiments.attendout_check import TASKS, fmt, mean_std, run_dir_of
+from experiments.common import DecayAll
 from rdrop_fairseq.hf import RDropTrainer
 from rdrop_fairseq.recipes.common import write_json  # atomic: whole or not at all
 from rdrop_fairseq.recipes.convert_hf_bert import load_tokenizer
@@ -166,14 +167,6 @@ class KeepBest(TrainerCallback):
         if self.best is None or accuracy >= self.best[1]:
             self.best = (state.global_step, accuracy)
             self.weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-class DecayAll:
-    """Weight decay on every parameter, as fairseq's Adam (the Trainer leaves biases and
-    LayerNorms out)."""
-
-    def get_decay_parameter_names(self, model):
-        return [name for name, _ in model.named_parameters()]
 
 
 class OnePassTrainer(DecayAll, Trainer):

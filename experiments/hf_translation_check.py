@@ -43,8 +43,6 @@ import json
 import math
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,10 +51,11 @@ from pathlib import Path
 
 import torch
 
+from .common import DecayAll, mode_rows, step_timer, train_in_process
+
 MODES = ("baseline", "rdrop")
 SEEDS = (1, 2)
 DEMO = "full"  # libreoffice_demo's size
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 SRC, TGT = "de", "en"
 
 
@@ -127,23 +126,10 @@ def make_model(dictionary, seed, size):
     return MarianMTModel(config)
 
 
-def callbacks(folder, count):
-    """Two TrainerCallbacks: the steps' time, and each epoch's weights written to
-    ``folder``/epochN.pt, the last ``count`` kept (their average is the scored model)."""
+def keep_last_epochs(folder, count):
+    """A TrainerCallback writing each epoch's weights to ``folder``/epochN.pt and keeping the
+    last ``count`` (their average is the scored model)."""
     from transformers import TrainerCallback
-
-    class StepTime(TrainerCallback):
-        """The seconds of each update's forward, backward and optimizer step, summed."""
-
-        def __init__(self):
-            self.seconds, self.updates, self._start = 0.0, 0, None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.seconds += time.perf_counter() - self._start
-            self.updates += 1
 
     class KeepLastEpochs(TrainerCallback):
         def on_epoch_end(self, args, state, control, model=None, **kwargs):
@@ -154,7 +140,7 @@ def callbacks(folder, count):
             for old in epoch_files(folder)[:-count]:
                 old.unlink()
 
-    return StepTime(), KeepLastEpochs()
+    return KeepLastEpochs()
 
 
 def epoch_files(folder):
@@ -215,12 +201,7 @@ def train_one(a):
         eval_strategy="no", save_strategy="epoch", save_total_limit=1,
         logging_strategy="epoch", report_to="none", disable_tqdm=True,
         dataloader_num_workers=0)
-    timer, keep = callbacks(run_dir / "epochs", size["average"])
-
-    class DecayAll:
-        def get_decay_parameter_names(self, model):
-            return [name for name, _ in model.named_parameters()]
-
+    timer, keep = step_timer(), keep_last_epochs(run_dir / "epochs", size["average"])
     common = dict(model=model, args=args, train_dataset=examples(train),
                   data_collator=partial(collate, pad=dictionary.pad(), eos=dictionary.eos()),
                   callbacks=[timer, keep])
@@ -273,22 +254,7 @@ def run_in_process(a, mode, seed):
     cmd = [sys.executable, "-m", "experiments.hf_translation_check", "--work", str(a.work),
            "--data", str(a.data), "--run", mode, str(seed), "--epochs", str(a.epochs),
            "--alpha", str(a.alpha), "--max-length", str(a.max_length)]
-    print(f"[hf-mt] {mode}-s{seed}: training (log {run_dir / 'train.log'})", flush=True)
-    start = time.monotonic()
-    with open(run_dir / "train.log", "a") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **ONE_THREAD})
-        _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) or not result.is_file():
-        sys.exit(f"error: {mode}-s{seed} failed; see {run_dir / 'train.log'}")
-    out = json.loads(result.read_text())
-    out.update(wall_minutes=(time.monotonic() - start) / 60,
-               cpu_minutes=(usage.ru_utime + usage.ru_stime) / 60)
-    return out
-
-
-def mean_std(values):
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    return train_in_process("hf-mt", f"{mode}-s{seed}", run_dir, cmd)
 
 
 def table(results):
@@ -296,14 +262,8 @@ def table(results):
     for r in results:
         lines.append(f"| {r['run']} | {r['test_bleu_tokenized']:.2f} | "
                      f"{r['test_sacrebleu']:.2f} | {r['seconds_per_update']:.3f} |")
-    for mode in MODES:
-        runs = [r for r in results if r["mode"] == mode]
-        if runs:
-            cells = [mean_std([r[k] for r in runs]) for k in (
-                "test_bleu_tokenized", "test_sacrebleu", "seconds_per_update")]
-            lines.append(f"| **{mode}**, mean ± std of {len(runs)} | " + " | ".join(
-                f"{m:.{d}f} ± {s:.{d}f}" for (m, s), d in zip(cells, (2, 2, 3))) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + mode_rows(results, MODES, (
+        ("test_bleu_tokenized", 2), ("test_sacrebleu", 2), ("seconds_per_update", 3))))
 
 
 def parse_args(argv):

@@ -34,14 +34,12 @@ import json
 import os
 import re
 import shutil
-import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .common import parse_with_overrides, recipe_script
+from .common import mean_std, mode_rows, parse_with_overrides, recipe_script, run_logged
 from .prepare_sotu import SOTU_URL
 
 SINCE = 1985  # 29 training addresses: 173k words
@@ -57,7 +55,6 @@ MODEL = [f"model.decoder_{k}={v}" for k, v in (
 TRAINING = [f"task.tokens_per_sample={TOKENS_PER_SAMPLE}", "optimization.lr=[0.002]",
             "lr_scheduler.warmup_updates=100", "dataset.num_workers=0",
             "checkpoint.no_epoch_checkpoints=true", "common.log_interval=50"]
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 _VALID = re.compile(r"epoch (\d+) \| valid on 'valid' subset \| loss ([\d.]+) .*?\| ppl ([\d.]+)")
 
 
@@ -71,22 +68,6 @@ def evaluation_sizes(overrides):
         if override.startswith("task.tokens_per_sample="):
             tokens = int(override.split("=", 1)[1])
     return tokens, tokens // 2
-
-
-def run_logged(cmd, log_path):
-    """Run ``cmd`` with its output into ``log_path``: ``(exit code, wall minutes, CPU
-    minutes of it and its children)``."""
-    env = {**os.environ, **ONE_THREAD}
-    start = time.monotonic()
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(map(str, cmd)) + "\n")
-        log.flush()
-        proc = subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT,
-                                env=env)
-        _, status, usage = os.wait4(proc.pid, 0)  # wait4: the CPU time of this one run
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return (proc.returncode, (time.monotonic() - start) / 60,
-            (usage.ru_utime + usage.ru_stime) / 60)
 
 
 def validation_curve(log_text):
@@ -132,10 +113,6 @@ def train_and_evaluate(a, data, mode, seed):
     return result
 
 
-def mean_std(values):
-    return (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def table(results):
     lines = ["| run | epochs | best epoch | best valid ppl | test ppl | minutes (CPU) |",
              "|---|---|---|---|---|---|"]
@@ -145,13 +122,7 @@ def table(results):
                      f"{r['train_minutes']:.1f} ({r['train_cpu_minutes']:.1f}) |")
     columns = (("epochs", 1), ("best_epoch", 1), ("best_valid_ppl", 2), ("test_ppl", 2),
                ("train_minutes", 1))
-    for mode in MODES:
-        runs = [r for r in results if r["mode"] == mode]
-        if runs:
-            cells = [(mean_std([r[k] for r in runs]), digits) for k, digits in columns]
-            lines.append(f"| **{mode}**, mean ± std of {len(runs)} | " + " | ".join(
-                f"{m:.{d}f} ± {s:.{d}f}" for (m, s), d in cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + mode_rows(results, MODES, columns))
 
 
 def parse_args(argv):
