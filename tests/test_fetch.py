@@ -445,6 +445,12 @@ def test_named_sources_offline_and_dry_run(server, tmp_path):
         server.url("/o.bin")], "sha256": SHA}]}}, "unpinned.json")
     proc = cli("--dir", dl, "x", env={"RDROP_SOURCES": str(unpinned)})
     assert proc.returncode != 0 and "x's o.bin is not pinned: give its sha256" in proc.stderr
+    on_a_branch = table_for(server, tmp_path, {"h": {"hub": {"repo": "org/m", "revision": "main"},
+                                                     "files": [{"name": "h.bin", "path": "h.bin",
+                                                                "sha256": SHA, "size": 1}]}},
+                            "branch.json")
+    proc = cli("--dir", dl, "h", env={"RDROP_SOURCES": str(on_a_branch)})
+    assert proc.returncode != 0 and "h's hub revision is 'main': give the commit id" in proc.stderr
     proc = cli("--dir", dl, "corpus", "other", env={**env, "OFFLINE": "1"})
     assert proc.returncode != 0 and server.log == [] and not dl.exists()
     for name in ("w.zip", "o.bin"):  # every missing file, where from, how by hand
@@ -490,8 +496,12 @@ def test_every_file_of_the_packaged_table_is_pinned():
         "242ba0f20b329cfdf1ccc61e9e9e5b59becf189db7f7a81cd2a0e2fc31539590", 190_229_076)
     assert table["wmt14-test-full"]["files"][0]["md5"] == "a8cd784e006feb32ac6f3d9ec7eb389a"
     assert table["glue-QQP"]["files"][0]["size"] == 41_696_084
-    bert = table["bert-base-uncased"]["hub"]["revision"]
-    assert len(bert) == 40 and all(c in "0123456789abcdef" for c in bert)  # a commit id
+    for hubbed in ["bert-base-uncased", "cnn_dailymail", "iwslt17-en-zh"]:
+        revision = table[hubbed]["hub"]["revision"]
+        assert len(revision) == 40 and set(revision) <= set("0123456789abcdef")  # a commit
+    cnndm = {f["path"]: f for f in table["cnn_dailymail"]["files"]}
+    assert (cnndm["3.0.0/test-00000-of-00001.parquet"]["sha256"][:12],
+            cnndm["3.0.0/test-00000-of-00001.parquet"]["size"]) == ("04e322d2634a", 30_000_471)
     for manual in ["iwslt14-en-fr", "iwslt14-en-es", "wmt16-google-en-de"]:
         assert table[manual]["manual"]
     assert "import prepare" not in (REPO / "rdrop_fairseq/recipes/fetch.py").read_text()
@@ -776,8 +786,10 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 @pytest.fixture
 def hub(server, monkeypatch, tmp_path):
     """A stand-in of the hub's file API on the loopback server (HF_ENDPOINT): HEAD and GET
-    of /REPO/resolve/REVISION/PATH with the headers huggingface_hub reads."""
-    files = {}
+    of /REPO/resolve/REVISION/PATH with the headers huggingface_hub reads; ``files.etags``:
+    another SHA-256 to publish for a file than its own (a file that arrives corrupt)."""
+    files = type("Files", (dict,), {})()
+    files.etags = {}
 
     class HubHandler(Handler):
         def do_HEAD(self):
@@ -792,12 +804,14 @@ def hub(server, monkeypatch, tmp_path):
             self.server.log.append({"path": self.path, "method": "HEAD" if head else "GET",
                                     "range": self.headers.get("Range")})
             prefix = f"/org/model/resolve/{REVISION}/"
-            data = files.get(self.path[len(prefix):]) if self.path.startswith(prefix) else None
+            name = self.path[len(prefix):] if self.path.startswith(prefix) else None
+            data = files.get(name)
             if data is None:
                 return self._error(404, {"X-Error-Code": "EntryNotFound"})
+            etag = files.etags.get(name, hashlib.sha256(data).hexdigest())
             self.send_response(200)
             for header, value in {"X-Repo-Commit": REVISION, "Content-Length": str(len(data)),
-                                  "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
+                                  "ETag": f'"{etag}"',
                                   "Content-Type": "application/octet-stream"}.items():
                 self.send_header(header, value)
             self.end_headers()
@@ -841,6 +855,25 @@ def test_hub_files_come_through_huggingface_hub_at_the_pinned_revision(server, h
     with pytest.raises(FetchError, match="the wrong checksum"):
         fetch_mod.get("model", dl, None, table)
     assert only(dl / "other" / "x") == ["config.json.bad"]
+
+
+def test_hub_files_without_a_public_record_are_checked_against_the_hubs_sha256(
+        server, hub, tmp_path, monkeypatch, capsys):
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    hub["a.parquet"] = hub["b.parquet"] = b"PAR1" + DATA + b"PAR1"
+    hub.etags["b.parquet"] = "0" * 64  # the hub's record of b is not what arrives
+    entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
+             "files": [{"name": n, "path": n, "no_public_record": "a test"}
+                       for n in ("a.parquet", "b.parquet")]}
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"data": entry}))
+    with pytest.raises(FetchError, match=f"the wrong checksum \\(sha256 \\w+, not {'0' * 64}"):
+        fetch_mod.get("data", tmp_path / "dl", None, table)
+    assert (tmp_path / "dl" / "a.parquet").read_bytes() == hub["a.parquet"]
+    assert only(tmp_path / "dl" / "x") == ["a.parquet", "b.parquet.bad"]
+    err = capsys.readouterr().err
+    assert f"a.parquet: sha256 verified as the hub publishes it at revision {REVISION[:12]}" in err
+    assert "b.parquet: sha256 verified" not in err
 
 
 def test_hub_files_offline(server, hub, tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ Every file of the table is pinned: its SHA-256 (or the MD5 or SHA-1 a record giv
 size from a public record, or, where no public record exists (fairseq's model tarballs), a
 ``no_public_record`` field that says so, and then the file is checked for being whole: its
 size as served, and an archive read to its end. Files on the Hugging Face hub come through
-``huggingface_hub`` at a pinned revision. Nothing appears under FILE unless verified; a
+``huggingface_hub`` at a pinned commit; one without a public record is checked against the
+SHA-256 that the hub publishes for it there. Nothing appears under FILE unless verified; a
 download that fails verification is kept as ``FILE.bad``, never resumed from. ``--record``
 pins a file that has no public record: the SHA-256 of its first download is written to
 ``FILE.sha256`` and checked on later runs (without ``--record`` nothing is pinned after
@@ -397,19 +398,25 @@ def _download(url, partial, name, retry, timeouts, unverifiable):
 
 def _from_hub(url, hub, out, retry, timeouts):
     """``hub``'s file through huggingface_hub (resumed, at the pinned revision) into a folder
-    beside ``out``, once the hub answers at all (huggingface_hub would retry for long)."""
-    _open(url, retry, timeouts, "HEAD", allow_redirects=False).close()
+    beside ``out``, once the hub answers at all (huggingface_hub would retry for long).
+    Returns the file and the SHA-256 that the hub publishes for it at that revision (a file
+    in git LFS; None for one kept in git), as ``("sha256", hex)``."""
+    with _open(url, retry, timeouts, "HEAD", allow_redirects=False) as head:
+        tag = (head.headers.get("X-Linked-Etag") or head.headers.get("ETag") or "").strip('"')
+    published = ("sha256", tag) if len(tag) == 64 and set(tag) <= set("0123456789abcdef") \
+        else None
     try:
         from huggingface_hub import hf_hub_download
-        return Path(hf_hub_download(
+        path = hf_hub_download(
             hub["repo"], hub["path"], repo_type=hub.get("type"), revision=hub["revision"],
             local_dir=out.parent / ".hub" / hub["repo"].replace("/", "--"),
-            endpoint=os.environ.get("HF_ENDPOINT") or None, user_agent=USER_AGENT))
+            endpoint=os.environ.get("HF_ENDPOINT") or None, user_agent=USER_AGENT)
     except ImportError:
         raise _Answer("fetching from the Hugging Face hub needs huggingface_hub: pip install "
                       "'rdrop-fairseq[hf]'") from None
     except Exception as e:  # huggingface_hub's, httpx's and the OS's
         raise _Answer(f"{type(e).__name__}: {str(e).partition(chr(10))[0]}") from None
+    return Path(path), published
 
 
 def _from_urls(urls, out, partial, expected, size, tries, backoff, timeout, hub):
@@ -423,19 +430,24 @@ def _from_urls(urls, out, partial, expected, size, tries, backoff, timeout, hub)
         lookups = not any(isinstance(a.unreachable, NameResolutionError) for _, a in tried)
         retry = _Retry(total=tries - 1, connect=None if lookups else 0, backoff_factor=backoff,
                        status_forcelist=(429, 500, 502, 503, 504), raise_on_status=False)
-        answer = None
+        answer, before = None, 0
         while answer is None or answer.cut and _size(partial) > before:
             before = _size(partial)
             say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})" if before else ""))
             try:
-                path = _from_hub(url, hub, out, retry, timeouts) if hub else _download(
-                    url, partial, out.name, retry, timeouts, expected is None and size is None)
+                path, published = _from_hub(url, hub, out, retry, timeouts) if hub else (
+                    _download(url, partial, out.name, retry, timeouts,
+                              expected is None and size is None), None)
             except _Answer as e:
                 say(f"{out.name}: {e}")
                 answer = e
                 continue
-            problem, bad = _verify(path, expected, size, url, out.name), out.with_name(
-                out.name + ".bad")
+            # without a public record, a hub file is checked against the hub's own SHA-256
+            problem, bad = _verify(path, expected or published, size, url, out.name), \
+                out.with_name(out.name + ".bad")
+            if published and not expected and not problem:
+                say(f"{out.name}: sha256 verified as the hub publishes it at revision "
+                    f"{hub['revision'][:12]}")
             os.replace(path, bad if problem else out)
             _restart(partial)
             if not problem:
@@ -577,6 +589,10 @@ def load_sources(path=None):
         hub = entry.get("hub")
         if hub and not (hub.get("repo") and hub.get("revision")):
             raise FetchError(f"{path}: {name}'s hub needs a repo and a revision")
+        if hub and not (len(hub["revision"]) == 40 and set(hub["revision"]) <= set(
+                "0123456789abcdef")):  # a branch or tag moves: its files are not pinned
+            raise FetchError(f"{path}: {name}'s hub revision is {hub['revision']!r}: give the "
+                             "commit id (40 hex digits) to fetch its files at")
         make = entry.get("make", "copy")
         if make not in ("copy", "unpack") and not all(make.partition(":")[::2]):
             raise FetchError(f"{path}: {name}'s make is {make!r}: give copy, unpack or "
@@ -765,7 +781,8 @@ def markdown_table(table=None):
             check = _checksum_of(spec)
             pin = f"{check[0]} `{check[1][:12]}…`" if check else ""
             if spec.get("no_public_record"):
-                pin = (pin + "; " if pin else "") + "no public record: whole-file check"
+                pin = f"{pin}; no size on record" if check else "no public record: " + (
+                    "the hub's sha256" if entry.get("hub") else "whole-file check")
             if entry.get("hub"):
                 pin += f"; hub revision `{entry['hub']['revision'][:12]}`"
             size = human(spec["size"]) if spec.get("size") else "–"
