@@ -876,6 +876,33 @@ def test_hub_files_without_a_public_record_are_checked_against_the_hubs_sha256(
     assert "b.parquet: sha256 verified" not in err
 
 
+def test_hub_files_wait_as_long_as_the_read_time_out(server, hub, tmp_path, monkeypatch):
+    # huggingface_hub's own download time-out is 10 s: a slow link's first byte needs ours
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    import huggingface_hub
+    real, seen = huggingface_hub.hf_hub_download, []
+
+    def spy(*args, **kwargs):
+        seen.append((hub_constants.HF_HUB_DOWNLOAD_TIMEOUT, kwargs.get("etag_timeout")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", spy)
+    hub["a.bin"] = DATA
+    entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
+             "files": [{"name": "a.bin", "path": "a.bin", "sha256": SHA, "size": len(DATA)}]}
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"data": entry}))
+    monkeypatch.setenv("RDROP_FETCH_READ_TIMEOUT", "75")
+    monkeypatch.delenv("HF_HUB_DOWNLOAD_TIMEOUT", raising=False)
+    before = hub_constants.HF_HUB_DOWNLOAD_TIMEOUT
+    assert fetch_mod.get("data", tmp_path / "dl", None, table)[0].read_bytes() == DATA
+    assert seen == [(75.0, 75.0)] and hub_constants.HF_HUB_DOWNLOAD_TIMEOUT == before
+    (tmp_path / "dl" / "a.bin").unlink()
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "40")  # the library's own setting wins
+    fetch_mod.get("data", tmp_path / "dl", None, table)
+    assert seen[1][0] == before
+
+
 def test_hub_files_offline(server, hub, tmp_path, monkeypatch):
     entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
              "files": [{"name": "model/config.json", "path": "config.json", "size": 8,

@@ -16,8 +16,8 @@ Every file of the table is pinned: its SHA-256 (or the MD5 or SHA-1 a record giv
 size from a public record, or, where no public record exists (fairseq's model tarballs), a
 ``no_public_record`` field that says so, and then the file is checked for being whole: its
 size as served, and an archive read to its end. Files on the Hugging Face hub come through
-``huggingface_hub`` at a pinned commit; one without a public record is checked against the
-SHA-256 that the hub publishes for it there. Nothing appears under FILE unless verified; a
+``huggingface_hub`` at a pinned commit (with the read time-out below); one without a public
+record is checked against the SHA-256 that the hub publishes for it there. Nothing appears under FILE unless verified; a
 download that fails verification is kept as ``FILE.bad``, never resumed from. ``--record``
 pins a file that has no public record: the SHA-256 of its first download is written to
 ``FILE.sha256`` and checked on later runs (without ``--record`` nothing is pinned after
@@ -406,11 +406,20 @@ def _from_hub(url, hub, out, retry, timeouts):
     published = ("sha256", tag) if len(tag) == 64 and set(tag) <= set("0123456789abcdef") \
         else None
     try:
-        from huggingface_hub import hf_hub_download
-        path = hf_hub_download(
-            hub["repo"], hub["path"], repo_type=hub.get("type"), revision=hub["revision"],
-            local_dir=out.parent / ".hub" / hub["repo"].replace("/", "--"),
-            endpoint=os.environ.get("HF_ENDPOINT") or None, user_agent=USER_AGENT)
+        from huggingface_hub import constants, hf_hub_download
+        # the read time-out for huggingface_hub's download too (a slow link), unless its own
+        # HF_HUB_DOWNLOAD_TIMEOUT is set; it reads the constant at each download
+        default = constants.HF_HUB_DOWNLOAD_TIMEOUT
+        if not os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT"):
+            constants.HF_HUB_DOWNLOAD_TIMEOUT = timeouts[1]
+        try:
+            path = hf_hub_download(
+                hub["repo"], hub["path"], repo_type=hub.get("type"), revision=hub["revision"],
+                local_dir=out.parent / ".hub" / hub["repo"].replace("/", "--"),
+                endpoint=os.environ.get("HF_ENDPOINT") or None, user_agent=USER_AGENT,
+                etag_timeout=timeouts[1])
+        finally:
+            constants.HF_HUB_DOWNLOAD_TIMEOUT = default
     except ImportError:
         raise _Answer("fetching from the Hugging Face hub needs huggingface_hub: pip install "
                       "'rdrop-fairseq[hf]'") from None
