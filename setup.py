@@ -28,8 +28,8 @@ setup(
         # pyarrow: CNN/DailyMail's parquet files (26 needs NumPy 2; fairseq pins NumPy 1);
         # the downloader, rdrop_fairseq.recipes.fetch: requests and urllib3 (retries,
         # time-outs, resumes; tested with requests 2.34.2, urllib3 2.8.0), filelock (runs take
-        # turns; 4.3.1), tqdm (progress); files on the Hugging Face hub need huggingface_hub,
-        # which the "hf" extra brings with transformers)
+        # turns; 4.3.1), tqdm (progress); huggingface_hub, which the "hf" extra brings with
+        # transformers, lets it use a hub file already in the Hugging Face cache)
         "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8", "sentencepiece>=0.1.99",
                     "rouge-score>=0.1.2", "matplotlib>=3.5", "tokenizers>=0.13",
                     "safetensors>=0.4", "pyarrow>=12,<26", "tqdm>=4", "requests>=2.34",

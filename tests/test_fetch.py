@@ -146,8 +146,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(autouse=True)
 def a_new_run(monkeypatch):
-    """Each test a run of its own: no earlier test's "no network" carries over."""
-    monkeypatch.setattr(fetch_mod, "_no_network", None)
+    """Each test a run of its own: no earlier test's unreachable hosts carry over."""
+    monkeypatch.setattr(fetch_mod, "_unreachable", {})
 
 
 @pytest.fixture
@@ -170,7 +170,7 @@ def cli(*args, env=None, timeout=60):
 
 def only(path):
     """The names in ``path``'s folder, but for hidden ones (the lock files ``.NAME.lock``,
-    which stay, and the hub's staging folder ``.hub``)."""
+    which stay)."""
     return sorted(p.name for p in Path(path).parent.iterdir() if not p.name.startswith("."))
 
 
@@ -336,6 +336,20 @@ def test_a_full_disk_while_downloading_keeps_what_arrived_and_resumes(server, tm
         (None, None), ("bytes=400000-", '"v1"')]
 
 
+def test_a_full_disk_outside_the_download_is_one_line(server, tmp_path, monkeypatch, capsys):
+    server.routes["/a.bin"] = Route(data=DATA)
+
+    def full(out):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out) + ".sha256")
+
+    monkeypatch.setattr(fetch_mod, "record_first_seen", full)  # --record's file, say
+    with pytest.raises(SystemExit) as e:
+        fetch_mod.main(["--record", "--out", str(tmp_path / "a.bin"), server.url("/a.bin")])
+    assert str(e.value) == f"error: the disk is full ({tmp_path / 'a.bin'}.sha256): free space " \
+        "and run again"
+    assert (tmp_path / "a.bin").read_bytes() == DATA  # the download itself is kept
+
+
 def test_a_full_disk_while_unpacking_condemns_no_download(server, tmp_path, monkeypatch):
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
@@ -451,6 +465,14 @@ def test_named_sources_offline_and_dry_run(server, tmp_path):
                             "branch.json")
     proc = cli("--dir", dl, "h", env={"RDROP_SOURCES": str(on_a_branch)})
     assert proc.returncode != 0 and "h's hub revision is 'main': give the commit id" in proc.stderr
+    for spec in ({"urls": [server.url("/o.bin")]},  # a hub file is fetched from its hub
+                 {"path": "h.bin", "urls": [server.url("/o.bin")]}):
+        with_urls = table_for(server, tmp_path, {"h": {"hub": {"repo": "org/m", "revision": "0" * 40},
+                                                       "files": [{"name": "h.bin", "sha256": SHA,
+                                                                  "size": 1, **spec}]}}, "urls.json")
+        proc = cli("--dir", dl, "h", env={"RDROP_SOURCES": str(with_urls)})
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr
+        assert "h's h.bin is on its hub: give its path in the repository, not urls" in proc.stderr
     proc = cli("--dir", dl, "corpus", "other", env={**env, "OFFLINE": "1"})
     assert proc.returncode != 0 and server.log == [] and not dl.exists()
     for name in ("w.zip", "o.bin"):  # every missing file, where from, how by hand
@@ -715,6 +737,19 @@ def test_names_that_never_resolve_give_the_offline_message_within_seconds(
     assert not (tmp_path / "dl").exists()
 
 
+def test_an_unreachable_host_does_not_make_the_other_hosts_offline(server, tmp_path,
+                                                                    resolver):
+    # a firewall that blocks one host (the hub, say) while another host still answers
+    resolver.answers["blocked.test"] = [socket.EAI_NONAME]
+    server.routes["/a.bin"] = Route(data=DATA)
+    with pytest.raises(fetch_mod.NoNetwork):
+        fetch(["https://blocked.test/x.bin"], tmp_path / "x.bin", sha256=SHA)
+    with pytest.raises(fetch_mod.NoNetwork, match="no network \\(https://blocked.test/x.bin"):
+        fetch(["https://blocked.test/y.bin"], tmp_path / "y.bin", sha256=SHA)
+    assert resolver.looked_up == ["blocked.test"]  # known unreachable: not waited for again
+    assert fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=SHA).read_bytes() == DATA
+
+
 # ------------------------------------------------------------------ HTTPS
 
 
@@ -785,66 +820,63 @@ REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 @pytest.fixture
 def hub(server, monkeypatch, tmp_path):
-    """A stand-in of the hub's file API on the loopback server (HF_ENDPOINT): HEAD and GET
-    of /REPO/resolve/REVISION/PATH with the headers huggingface_hub reads; ``files.etags``:
-    another SHA-256 to publish for a file than its own (a file that arrives corrupt)."""
-    files = type("Files", (dict,), {})()
+    """A stand-in of the Hugging Face hub on the loopback server (HF_ENDPOINT), answering as
+    the hub answers for a file in git LFS: ``/org/model/resolve/REVISION/NAME`` redirects
+    (302) to the file's storage, ``/cdn/NAME`` (a Route: Range, If-Range), with the file's
+    SHA-256 in X-Linked-Etag. ``hub[NAME] = bytes`` adds a file; ``hub.etags[NAME]``:
+    another SHA-256 to publish than the file's own (a file that arrives corrupt). An empty
+    Hugging Face cache (HF_HUB_CACHE) of the test's own."""
+    files = type("Files", (dict,), {"__setitem__": lambda self, name, data: (
+        dict.__setitem__(self, name, data), server.routes.__setitem__(
+            f"/cdn/{name}", Route(data=data, etag=f'"cdn-{len(data)}"')))})()
     files.etags = {}
 
     class HubHandler(Handler):
         def do_HEAD(self):
-            self._hub(head=True)
+            self.do_GET()
 
         def do_GET(self):
+            prefix = f"/org/model/resolve/{REVISION}/"
             if not self.path.startswith("/org/"):
                 return super().do_GET()
-            self._hub(head=False)
-
-        def _hub(self, head):
-            self.server.log.append({"path": self.path, "method": "HEAD" if head else "GET",
-                                    "range": self.headers.get("Range")})
-            prefix = f"/org/model/resolve/{REVISION}/"
+            self.server.log.append({"path": self.path, "method": self.command,
+                                    "range": self.headers.get("Range"),
+                                    "if_range": self.headers.get("If-Range")})
             name = self.path[len(prefix):] if self.path.startswith(prefix) else None
-            data = files.get(name)
-            if data is None:
+            if name not in files:
                 return self._error(404, {"X-Error-Code": "EntryNotFound"})
-            etag = files.etags.get(name, hashlib.sha256(data).hexdigest())
-            self.send_response(200)
-            for header, value in {"X-Repo-Commit": REVISION, "Content-Length": str(len(data)),
-                                  "ETag": f'"{etag}"',
-                                  "Content-Type": "application/octet-stream"}.items():
-                self.send_header(header, value)
-            self.end_headers()
-            if not head:
-                self.wfile.write(data)
+            sha = files.etags.get(name, hashlib.sha256(files[name]).hexdigest())
+            self._error(302, {"Location": f"/cdn/{name}", "X-Repo-Commit": REVISION,
+                              "X-Linked-Etag": f'"{sha}"', "X-Linked-Size": len(files[name]),
+                              "ETag": '"' + "1" * 40 + '"'})  # the pointer's git blob id
 
     server.RequestHandlerClass = HubHandler
     monkeypatch.setenv("HF_ENDPOINT", server.base)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    hub_constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     return files
 
 
-def test_hub_files_come_through_huggingface_hub_at_the_pinned_revision(server, hub, tmp_path,
-                                                                      monkeypatch):
-    # the Hugging Face tests set HF_HUB_OFFLINE=1 for their process, which the library reads
-    # at its import (a lazy module: its constants are a submodule of their own): this test's
-    # hub is a local stand-in, reachable
-    hub_constants = pytest.importorskip("huggingface_hub.constants")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+def hub_entry(*names, **spec):
+    return {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
+            "files": [{"name": n, "path": n, **spec} for n in names], "make": "copy",
+            "local": "set MODEL_DIR"}
+
+
+def test_hub_files_come_from_the_hub_at_the_pinned_commit(server, hub, tmp_path):
     hub["config.json"], hub["model.safetensors"] = b'{"a": 1}', DATA
-    entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
-             "files": [{"name": f"model/{n}", "path": n, "size": len(d),
-                        "sha256": hashlib.sha256(d).hexdigest()} for n, d in hub.items()],
-             "make": "copy", "local": "set MODEL_DIR"}
+    entry = hub_entry()
+    entry["files"] = [{"name": f"model/{n}", "path": n, "size": len(d),
+                       "sha256": hashlib.sha256(d).hexdigest()} for n, d in hub.items()]
     table = fetch_mod.load_sources(table_for(server, tmp_path, {"model": entry}))
     dl, dest = tmp_path / "dl", tmp_path / "work" / "model"
     assert fetch_mod.get("model", dl, dest, table) == dest
     assert (dest / "model.safetensors").read_bytes() == DATA
     assert (dl / "model" / "config.json").read_bytes() == b'{"a": 1}'
-    gets = [r["path"] for r in server.log if r.get("method") == "GET"]
-    assert gets == [f"/org/model/resolve/{REVISION}/{n}" for n in hub]
+    assert [r["path"] for r in server.log] == [
+        p for n in hub for p in (f"/org/model/resolve/{REVISION}/{n}", f"/cdn/{n}")]
+    assert "rdrop-fairseq" in server.log[-1]["agent"]  # the redirect keeps our User-Agent
     served = len(server.log)
     shutil.rmtree(dest)
     assert fetch_mod.get("model", dl, dest, table) == dest and len(server.log) == served
@@ -858,15 +890,11 @@ def test_hub_files_come_through_huggingface_hub_at_the_pinned_revision(server, h
 
 
 def test_hub_files_without_a_public_record_are_checked_against_the_hubs_sha256(
-        server, hub, tmp_path, monkeypatch, capsys):
-    hub_constants = pytest.importorskip("huggingface_hub.constants")
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+        server, hub, tmp_path, capsys):
     hub["a.parquet"] = hub["b.parquet"] = b"PAR1" + DATA + b"PAR1"
     hub.etags["b.parquet"] = "0" * 64  # the hub's record of b is not what arrives
-    entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
-             "files": [{"name": n, "path": n, "no_public_record": "a test"}
-                       for n in ("a.parquet", "b.parquet")]}
-    table = fetch_mod.load_sources(table_for(server, tmp_path, {"data": entry}))
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"data": hub_entry(
+        "a.parquet", "b.parquet", no_public_record="a test")}))
     with pytest.raises(FetchError, match=f"the wrong checksum \\(sha256 \\w+, not {'0' * 64}"):
         fetch_mod.get("data", tmp_path / "dl", None, table)
     assert (tmp_path / "dl" / "a.parquet").read_bytes() == hub["a.parquet"]
@@ -876,41 +904,50 @@ def test_hub_files_without_a_public_record_are_checked_against_the_hubs_sha256(
     assert "b.parquet: sha256 verified" not in err
 
 
-def test_hub_files_wait_as_long_as_the_read_time_out(server, hub, tmp_path, monkeypatch):
-    # huggingface_hub's own download time-out is 10 s: a slow link's first byte needs ours
-    hub_constants = pytest.importorskip("huggingface_hub.constants")
-    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
-    import huggingface_hub
-    real, seen = huggingface_hub.hf_hub_download, []
-
-    def spy(*args, **kwargs):
-        seen.append((hub_constants.HF_HUB_DOWNLOAD_TIMEOUT, kwargs.get("etag_timeout")))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", spy)
-    hub["a.bin"] = DATA
-    entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
-             "files": [{"name": "a.bin", "path": "a.bin", "sha256": SHA, "size": len(DATA)}]}
-    table = fetch_mod.load_sources(table_for(server, tmp_path, {"data": entry}))
-    monkeypatch.setenv("RDROP_FETCH_READ_TIMEOUT", "75")
-    monkeypatch.delenv("HF_HUB_DOWNLOAD_TIMEOUT", raising=False)
-    before = hub_constants.HF_HUB_DOWNLOAD_TIMEOUT
-    assert fetch_mod.get("data", tmp_path / "dl", None, table)[0].read_bytes() == DATA
-    assert seen == [(75.0, 75.0)] and hub_constants.HF_HUB_DOWNLOAD_TIMEOUT == before
-    (tmp_path / "dl" / "a.bin").unlink()
-    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "40")  # the library's own setting wins
-    fetch_mod.get("data", tmp_path / "dl", None, table)
-    assert seen[1][0] == before
+def test_a_hub_file_resumes_where_an_earlier_run_stopped(server, hub, tmp_path):
+    hub["model.safetensors"] = DATA
+    dl = tmp_path / "dl"
+    dl.mkdir()
+    # what a run stopped by Ctrl-C, a full disk or a lost link leaves behind
+    (dl / "model.safetensors.partial").write_bytes(DATA[:300_000])
+    (dl / "model.safetensors.partial.validator").write_text(f'"cdn-{len(DATA)}"')
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"model": hub_entry(
+        "model.safetensors", sha256=SHA, size=len(DATA))}))
+    assert fetch_mod.get("model", dl, None, table)[0].read_bytes() == DATA
+    assert [(r["path"], r["range"], r["if_range"]) for r in server.log] == [
+        (f"/org/model/resolve/{REVISION}/model.safetensors", "bytes=300000-", f'"cdn-{len(DATA)}"'),
+        ("/cdn/model.safetensors", "bytes=300000-", f'"cdn-{len(DATA)}"')]
+    assert only(dl / "x") == ["model.safetensors"]
 
 
-def test_hub_files_offline(server, hub, tmp_path, monkeypatch):
-    entry = {"hub": {"repo": "org/model", "revision": REVISION, "revision_from": "a test"},
-             "files": [{"name": "model/config.json", "path": "config.json", "size": 8,
-                        "sha256": "0" * 64}], "local": "set MODEL_DIR"}
-    table = table_for(server, tmp_path, {"model": entry})
+def test_a_hub_file_in_the_hugging_face_cache_is_used_without_the_network(
+        server, hub, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+
+    snapshot = Path(hub_constants.HF_HUB_CACHE) / "models--org--model" / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_bytes(b'{"a": 1}')
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"model": hub_entry(
+        "config.json", sha256=hashlib.sha256(b'{"a": 1}').hexdigest(), size=8)}))
+    for variable in ("HF_HUB_OFFLINE", "OFFLINE"):
+        monkeypatch.setenv(variable, "1")
+        out = fetch_mod.get("model", tmp_path / variable, None, table)[0]
+        assert out.read_bytes() == b'{"a": 1}' and server.log == []
+    (snapshot / "config.json").write_bytes(b'{"a": 2}')  # a cache that holds another file
+    with pytest.raises(FetchError, match="the wrong checksum"):
+        fetch_mod.get("model", tmp_path / "other", None, table)
+
+
+def test_hub_files_offline_every_missing_file_named(server, hub, tmp_path):
+    table = table_for(server, tmp_path, {"model": hub_entry("config.json", "vocab.txt",
+                                                            sha256="0" * 64, size=8)})
     for env in ({"OFFLINE": "1"}, {"HF_HUB_OFFLINE": "1"}):
-        proc = cli("--dir", tmp_path / "dl", "model",
-                   env={"RDROP_SOURCES": str(table), "HF_ENDPOINT": server.base, **env})
-        assert proc.returncode != 0 and server.log == []
-        assert (f"model/config.json is missing: it comes from {server.base}/org/model/resolve/"
-                f"{REVISION}/config.json") in proc.stderr
+        proc = cli("--dir", tmp_path / "dl", "model", env={
+            "RDROP_SOURCES": str(table), "HF_ENDPOINT": server.base,
+            "HF_HUB_CACHE": str(tmp_path / "hf-cache"), **env})
+        assert proc.returncode != 0 and server.log == [] and "Traceback" not in proc.stderr
+        for name in ("config.json", "vocab.txt"):
+            assert (f"dl/{name} is missing: it comes from {server.base}/org/model/resolve/"
+                    f"{REVISION}/{name}") in proc.stderr
+        assert proc.stderr.startswith(f"error: {next(iter(env))}=1: ")
+        assert proc.stderr.rstrip().endswith("| or set MODEL_DIR")

@@ -2,7 +2,7 @@
 accelerate 1.0 (with the huggingface_hub, tokenizers and datasets of their time), installed
 with pip into a folder of the environment once and put first on the path of a pytest run
 of the Hugging Face test files. Gradient accumulation, every model kind, the fused path,
-the GLUE recipe's TrainingArguments and the downloader's hub files on the floor; TRL's
+the GLUE recipe's TrainingArguments and the downloader's hub cache on the floor; TRL's
 SFTTrainer is skipped there (trl
 1.16 needs transformers >= 4.56.2). Needs PyPI the first time (about 20 s)."""
 
@@ -21,11 +21,9 @@ FLOOR = ["transformers==4.48.3", "accelerate==1.0.1", "huggingface_hub==0.36.2",
          "tokenizers==0.21.4", "datasets==4.0.0", "requests==2.32.3", "urllib3==2.2.3",
          "idna==3.10", "certifi==2024.8.30", "charset-normalizer==3.4.0"]
 FILES = ["tests/test_hf.py", "tests/test_hf_lm.py", "tests/test_glue_bert_recipe.py",
-         # the downloader's hub path: huggingface_hub of the floor's time
-         *(f"tests/test_fetch.py::{test}" for test in [
-             "test_hub_files_come_through_huggingface_hub_at_the_pinned_revision",
-             "test_hub_files_without_a_public_record_are_checked_against_the_hubs_sha256",
-             "test_hub_files_wait_as_long_as_the_read_time_out", "test_hub_files_offline"])]
+         # the downloader's use of the Hugging Face cache: huggingface_hub of the floor's time
+         "tests/test_fetch.py::"
+         "test_a_hub_file_in_the_hugging_face_cache_is_used_without_the_network"]
 
 
 def floor_packages():

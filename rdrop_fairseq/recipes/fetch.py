@@ -15,15 +15,16 @@ The recipe scripts' ``prepare`` stages run it.
 Every file of the table is pinned: its SHA-256 (or the MD5 or SHA-1 a record gives) and
 size from a public record, or, where no public record exists (fairseq's model tarballs), a
 ``no_public_record`` field that says so, and then the file is checked for being whole: its
-size as served, and an archive read to its end. Files on the Hugging Face hub come through
-``huggingface_hub`` at a pinned commit (with the read time-out below); one without a public
-record is checked against the SHA-256 that the hub publishes for it there. Nothing appears under FILE unless verified; a
+size as served, and an archive read to its end. Files on the Hugging Face hub are fetched
+like the others, from the hub's address for the file at a pinned commit; one without a
+public record is checked against the SHA-256 that the hub publishes for it there, and a copy
+already in the Hugging Face cache at that commit is used without the network. Nothing appears under FILE unless verified; a
 download that fails verification is kept as ``FILE.bad``, never resumed from. ``--record``
 pins a file that has no public record: the SHA-256 of its first download is written to
 ``FILE.sha256`` and checked on later runs (without ``--record`` nothing is pinned after
 the fact).
 
-How a file is fetched from other hosts (requests and urllib3):
+How a file is fetched (requests and urllib3, the hub's files too):
 
 * with a User-Agent of its own, through the proxy that ``http_proxy`` / ``https_proxy``
   name, except for the hosts of ``no_proxy``; as served (a ``.tar.gz`` sent with
@@ -39,8 +40,9 @@ How a file is fetched from other hosts (requests and urllib3):
   partial file for the next run;
 * 403, 404 and other refusals move to the next URL at once; so does a host that cannot be
   reached (refused, no route, a name that does not exist). When no URL of a file can be
-  reached the machine is taken to be offline: the error names every missing file, where it
-  comes from and how to fetch it by hand, as ``OFFLINE=1`` does, within seconds;
+  reached, its hosts are not waited for again in the run: without network the error names
+  every missing file, where it comes from and how to fetch it by hand, as ``OFFLINE=1``
+  does, within seconds;
 * an HTML page where a file was expected is refused (a login or quota page served with 200);
 * a FILE already there and verified is not fetched again; two runs fetching one file, or
   making one DEST, take turns (a lock file ``.NAME.lock`` beside it).
@@ -101,12 +103,17 @@ class NoNetwork(FetchError):
     """No URL of a file could be reached: the message names what is missing, as OFFLINE=1."""
 
 
+class Offline(FetchError):
+    """OFFLINE=1 (or HF_HUB_OFFLINE=1 for a hub file) and the file is missing."""
+
+
 class BadInput(ValueError):
     """An argument refused before anything is fetched."""
 
 
-# set once no host could be reached: the rest of the run names what is missing, as offline
-_no_network = None
+# the hosts that could not be reached in this run, and why: a file all of whose hosts are
+# among them is named as missing at once (as offline), without waiting for them again
+_unreachable = {}
 
 
 def offline():
@@ -344,9 +351,9 @@ def _restart(partial):
 def _download(url, partial, name, retry, timeouts, unverifiable):
     """``url`` into ``partial``, resumed with Range and If-Range (the ETag or Last-Modified
     of its first answer): a file that changed meanwhile, or a server that ignores Range,
-    sends the whole file, which starts afresh. Returns ``partial`` whole, else _Answer.
-    ``unverifiable``: nothing will check the file, so a body whose end cannot be told from
-    a cut is refused."""
+    sends the whole file, which starts afresh. Returns ``partial`` whole and the headers of
+    the URL's own answer (before a redirect), else _Answer. ``unverifiable``: nothing will
+    check the file, so a body whose end cannot be told from a cut is refused."""
     have, validator = _size(partial), partial.with_name(partial.name + ".validator")
     headers = {"Range": f"bytes={have}-",
                "If-Range": validator.read_text() if validator.is_file() else None}
@@ -354,7 +361,7 @@ def _download(url, partial, name, retry, timeouts, unverifiable):
         rng = resp.headers.get("Content-Range", "")
         if have and resp.status_code in (206, 416) and not rng.startswith(f"bytes {have}-"):
             if rng.endswith(f"/{have}"):
-                return partial  # whole already (a run killed after it)
+                return partial, (resp.history or [resp])[0].headers  # whole already
             _restart(partial)  # another range: afresh
             return _download(url, partial, name, retry, timeouts, unverifiable)
         if resp.status_code >= 400:
@@ -393,44 +400,32 @@ def _download(url, partial, name, retry, timeouts, unverifiable):
                 raise FetchError(f"the disk is full: {partial} holds {human(_size(partial))} so "
                                  "far; free space and run again: the download resumes from "
                                  "there") from None
-    return partial
+        return partial, (resp.history or [resp])[0].headers
 
 
-def _from_hub(url, hub, out, retry, timeouts):
-    """``hub``'s file through huggingface_hub (resumed, at the pinned revision) into a folder
-    beside ``out``, once the hub answers at all (huggingface_hub would retry for long).
-    Returns the file and the SHA-256 that the hub publishes for it at that revision (a file
-    in git LFS; None for one kept in git), as ``("sha256", hex)``."""
-    with _open(url, retry, timeouts, "HEAD", allow_redirects=False) as head:
-        tag = (head.headers.get("X-Linked-Etag") or head.headers.get("ETag") or "").strip('"')
-    published = ("sha256", tag) if len(tag) == 64 and set(tag) <= set("0123456789abcdef") \
-        else None
+def _hub_cached(hub):
+    """``hub``'s file in the Hugging Face cache at the pinned commit (downloaded before by
+    huggingface_hub), or None: used without the network, offline too."""
     try:
-        from huggingface_hub import constants, hf_hub_download
-        # the read time-out for huggingface_hub's download too (a slow link), unless its own
-        # HF_HUB_DOWNLOAD_TIMEOUT is set; it reads the constant at each download
-        default = constants.HF_HUB_DOWNLOAD_TIMEOUT
-        if not os.environ.get("HF_HUB_DOWNLOAD_TIMEOUT"):
-            constants.HF_HUB_DOWNLOAD_TIMEOUT = timeouts[1]
-        try:
-            path = hf_hub_download(
-                hub["repo"], hub["path"], repo_type=hub.get("type"), revision=hub["revision"],
-                local_dir=out.parent / ".hub" / hub["repo"].replace("/", "--"),
-                endpoint=os.environ.get("HF_ENDPOINT") or None, user_agent=USER_AGENT,
-                etag_timeout=timeouts[1])
-        finally:
-            constants.HF_HUB_DOWNLOAD_TIMEOUT = default
+        from huggingface_hub import try_to_load_from_cache
     except ImportError:
-        raise _Answer("fetching from the Hugging Face hub needs huggingface_hub: pip install "
-                      "'rdrop-fairseq[hf]'") from None
-    except Exception as e:  # huggingface_hub's, httpx's and the OS's
-        raise _Answer(f"{type(e).__name__}: {str(e).partition(chr(10))[0]}") from None
-    return Path(path), published
+        return None
+    path = try_to_load_from_cache(hub["repo"], hub["path"], revision=hub["revision"],
+                                  repo_type=hub.get("type"))
+    return Path(path) if isinstance(path, str) else None
+
+
+def _published(headers):
+    """The SHA-256 the hub publishes for a file it keeps in git LFS (its answer's
+    X-Linked-Etag), as ``("sha256", hex)``; None for a file kept in git (a blob id)."""
+    tag = (headers.get("X-Linked-Etag") or headers.get("ETag") or "").strip('"')
+    return ("sha256", tag) if len(tag) == 64 and set(tag) <= set("0123456789abcdef") else None
 
 
 def _from_urls(urls, out, partial, expected, size, tries, backoff, timeout, hub):
-    """``out`` from the first of ``urls`` that serves it (``hub``: through huggingface_hub),
-    verified; returns ``[(url, _Answer)]``: why each URL failed (empty: ``out`` is there)."""
+    """``out`` from the first of ``urls`` that serves it (a Path: a copy in the Hugging Face
+    cache; ``hub``: a file on the hub), verified; returns ``[(url, _Answer)]``: why each URL
+    failed (empty: ``out`` is there)."""
     timeouts = (seconds("RDROP_FETCH_CONNECT_TIMEOUT", 10.0),
                 timeout or seconds("RDROP_FETCH_READ_TIMEOUT", 30.0))
     tried = []
@@ -444,14 +439,17 @@ def _from_urls(urls, out, partial, expected, size, tries, backoff, timeout, hub)
             before = _size(partial)
             say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})" if before else ""))
             try:
-                path, published = _from_hub(url, hub, out, retry, timeouts) if hub else (
-                    _download(url, partial, out.name, retry, timeouts,
-                              expected is None and size is None), None)
+                if isinstance(url, Path):
+                    path, headers = Path(shutil.copyfile(url, partial)), {}
+                else:
+                    path, headers = _download(url, partial, out.name, retry, timeouts,
+                                              expected is None and size is None)
             except _Answer as e:
                 say(f"{out.name}: {e}")
                 answer = e
                 continue
             # without a public record, a hub file is checked against the hub's own SHA-256
+            published = _published(headers) if hub else None
             problem, bad = _verify(path, expected or published, size, url, out.name), \
                 out.with_name(out.name + ".bad")
             if published and not expected and not problem:
@@ -486,7 +484,6 @@ def fetch(urls, out, *, sha256=None, md5=None, sha1=None, size=None, timeout=Non
     BadInput is bad input, refused before anything is fetched. ``local_hint``: how to pass
     a local copy instead. ``record``: pin a file that has no checksum by its first
     download's SHA-256 (``--record``)."""
-    global _no_network
     out = Path(out)
     urls = [hub_url(hub, hub["path"])] if hub else list(urls)
     for url in urls:
@@ -516,14 +513,18 @@ def fetch(urls, out, *, sha256=None, md5=None, sha1=None, size=None, timeout=Non
         return _there_already(out, expected, size, record)
     by_hand = manual_command(urls, out, expected)
     missing = f"{out} is missing: it comes from {' or '.join(urls)}; fetch it by hand: {by_hand}"
-    if offline():
-        raise FetchError(f"OFFLINE=1 and {missing}", missing)
-    if _no_network is not None:
-        raise NoNetwork(f"no network ({_no_network}): {missing}", missing)
-    if not urls:
+    cached = _hub_cached(hub) if hub else None
+    if cached:  # no network needed
+        urls = [cached]
+    elif offline():
+        raise Offline(f"OFFLINE=1 and {missing}", missing)
+    elif hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        raise Offline(f"HF_HUB_OFFLINE=1 and {missing}", missing)
+    elif urls and all(urllib.parse.urlsplit(u).hostname in _unreachable for u in urls):
+        why = _unreachable[urllib.parse.urlsplit(urls[-1]).hostname]
+        raise NoNetwork(f"no network ({why}): {missing}", missing)
+    elif not urls:
         raise FetchError(f"no URL for {out}")
-    if hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        raise FetchError(f"HF_HUB_OFFLINE=1 and {missing}", missing)
     partial, bad = out.with_name(out.name + ".partial"), out.with_name(out.name + ".bad")
     made, tried = make_folder(out.parent), []
     try:
@@ -549,8 +550,9 @@ def fetch(urls, out, *, sha256=None, md5=None, sha1=None, size=None, timeout=Non
             remove_made(made, out)  # only where empty: nothing else is left behind
     reasons = "; ".join(f"{url}: {answer}" for url, answer in tried)
     hint = f", or {local_hint}" if local_hint else ""
+    _unreachable.update((urllib.parse.urlsplit(url).hostname, f"{url}: {answer}")
+                        for url, answer in tried if answer.unreachable is not None)
     if all(answer.unreachable is not None for _, answer in tried):
-        _no_network = f"{tried[-1][0]}: {tried[-1][1]}"
         raise NoNetwork(f"cannot fetch {out.name}: {reasons}. No host could be reached; as "
                         f"with OFFLINE=1: {missing}{hint}", missing)
     raise FetchError(f"cannot fetch {out.name}: {reasons}. Fetch it by hand ({by_hand}){hint}")
@@ -610,9 +612,11 @@ def load_sources(path=None):
             if f["name"] in seen:
                 raise FetchError(f"{path}: {name} and {seen[f['name']]} both name {f['name']}")
             seen[f["name"]] = name
-            if not (f.get("urls") or (hub and f.get("path"))):
-                raise FetchError(f"{path}: {name}'s {f['name']} needs urls (or a path on its "
-                                 "hub)")
+            if hub and (f.get("urls") or not f.get("path")):
+                raise FetchError(f"{path}: {name}'s {f['name']} is on its hub: give its path "
+                                 "in the repository, not urls")
+            if not (hub or f.get("urls")):
+                raise FetchError(f"{path}: {name}'s {f['name']} needs urls")
             if not ((_checksum_of(f) and f.get("size")) or f.get("no_public_record")):
                 raise FetchError(f"{path}: {name}'s {f['name']} is not pinned: give its sha256 "
                                  "(or md5, sha1) and size, or say in no_public_record why none is "
@@ -660,7 +664,7 @@ def get(name, downloads, dest=None, table=None, record=False):
                   local_hint=entry.get("local"), hub=_hub_of(entry, spec),
                   **({check[0]: check[1]} if check else {}))
         except FetchError as e:
-            if e.missing is None or not (offline() or isinstance(e, NoNetwork)):
+            if e.missing is None or not isinstance(e, (Offline, NoNetwork)):
                 raise
             first = first or e
             missing.append(e.missing)
@@ -671,7 +675,8 @@ def get(name, downloads, dest=None, table=None, record=False):
             reasons = str(first).partition(" No host could be reached")[0]
             raise NoNetwork(f"{reasons} No host could be reached; as with OFFLINE=1: "
                             + " | ".join(missing) + local, " | ".join(missing))
-        raise FetchError("OFFLINE=1: " + " | ".join(missing) + local, " | ".join(missing))
+        raise Offline(str(first).partition(" and ")[0] + ": " + " | ".join(missing) + local,
+                      " | ".join(missing))  # OFFLINE=1 or HF_HUB_OFFLINE=1
     if dest is None:
         return paths
     if dry_run():
@@ -848,7 +853,7 @@ def main(argv=None):
             try:
                 get(name, a.dir, dest or None, table, record=a.record)
             except FetchError as e:
-                if not (offline() or isinstance(e, NoNetwork)):
+                if not isinstance(e, (Offline, NoNetwork)):
                     raise
                 errors.append(str(e))  # no network: name every missing input, then fail
         if errors:
@@ -857,6 +862,10 @@ def main(argv=None):
         p.error(str(e))
     except FetchError as e:
         sys.exit(f"error: {e}")
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        sys.exit(f"error: the disk is full ({e.filename or e}): free space and run again")
     except KeyboardInterrupt:
         sys.exit(130)
 
