@@ -729,6 +729,59 @@ class PTXASError(Exception):
     """Stands for triton's own exception classes (triton.runtime.errors)."""
 
 
+def fallback_where_the_launch_fails(monkeypatch, device):
+    """impl="auto" on ``device`` with the Triton kernel's launch failing as on a GPU that
+    Triton does not support (the launch raises, and triton_kernel._launch wraps it): one
+    warning, then the torch implementation's loss and gradients, logits and fused-linear."""
+    from rdrop_fairseq import core, triton_kernel
+    from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
+    from tests.test_fused_linear import inputs
+
+    class Unsupported:  # kernel[grid](*args) fails to launch
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("Triton Error [CUDA]: invalid device function")
+            return launch
+
+    monkeypatch.setattr(triton_kernel, "_rdrop_rows_kernel", Unsupported())
+    monkeypatch.setattr(core, "_TRITON_GIVEN_UP", {})
+    scores, target = make_batch(64, 3000, seed=97, n_pad=3, dtype=torch.float32)
+    features, weight, bias, fl_target = inputs(seed=5)
+
+    def call(impl):
+        x = scores.to(device).requires_grad_()
+        out = rdrop_loss(x, target.to(device), alpha=1.0, epsilon=0.1, ignore_index=PAD,
+                         impl=impl)
+        f, w, b = (t.detach().to(device).requires_grad_() for t in (features, weight, bias))
+        fused = fused_linear_rdrop_loss(f, w, fl_target.to(device), bias=b, alpha=1.0,
+                                        epsilon=0.1, ignore_index=1, impl=impl)
+        return [out.total, *torch.autograd.grad(out.total, [x]), fused.total,
+                *torch.autograd.grad(fused.total, [f, w, b])]
+
+    expected = call("torch")
+    with pytest.warns(RuntimeWarning) as seen:
+        got = call("auto")
+    assert len(seen) == 1, [str(w.message) for w in seen]
+    message = str(seen[0].message)
+    assert f"impl='auto' uses the torch implementation on {device}" in message, message
+    assert "its Triton kernel failed: RuntimeError: Triton Error [CUDA]: invalid device " \
+        "function" in message, message
+    for a, b in zip(got, expected):  # the same torch computation (a GPU's may not be bitwise)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second try
+        call("auto")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_falls_back_on_the_gpu_where_the_kernel_does_not_launch(monkeypatch):
+    """The fallback on a real CUDA device (the CPU tests stand a CPU in for it): what a GPU
+    that Triton does not support answers to the launch, made to happen on this one."""
+    pytest.importorskip("triton")
+    fallback_where_the_launch_fails(monkeypatch, "cuda:0")
+
+
 @pytest.mark.parametrize("error, kind", [
     (PTXASError("ptxas fatal : Value 'sm_70' is not defined"), "PTXASError"),
     (AssertionError("libcuda.so cannot found!"), "AssertionError"),
