@@ -750,6 +750,16 @@ def test_an_unreachable_host_does_not_make_the_other_hosts_offline(server, tmp_p
     assert fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=SHA).read_bytes() == DATA
 
 
+def test_a_mirror_out_of_reach_is_not_waited_for_again(server, tmp_path, resolver):
+    resolver.answers["dead.test"] = [socket.EAI_AGAIN]  # three tries, the first time only
+    server.routes["/a.bin"] = Route(data=DATA)
+    for name in ("a.bin", "b.bin"):
+        out = fetch(["http://dead.test/a.bin", server.url("/a.bin")], tmp_path / name,
+                    sha256=SHA, backoff=0)
+        assert out.read_bytes() == DATA
+    assert resolver.looked_up == ["dead.test"] * 3
+
+
 # ------------------------------------------------------------------ HTTPS
 
 
@@ -823,13 +833,15 @@ def hub(server, monkeypatch, tmp_path):
     """A stand-in of the Hugging Face hub on the loopback server (HF_ENDPOINT), answering as
     the hub answers for a file in git LFS: ``/org/model/resolve/REVISION/NAME`` redirects
     (302) to the file's storage, ``/cdn/NAME`` (a Route: Range, If-Range), with the file's
-    SHA-256 in X-Linked-Etag. ``hub[NAME] = bytes`` adds a file; ``hub.etags[NAME]``:
-    another SHA-256 to publish than the file's own (a file that arrives corrupt). An empty
-    Hugging Face cache (HF_HUB_CACHE) of the test's own."""
+    SHA-256 in X-Linked-Etag; ``/old/model/...`` redirects (307) to ``/org/model/...`` (a
+    renamed repository). ``hub[NAME] = bytes`` adds a file; ``hub.etags[NAME]``: another
+    SHA-256 to publish than the file's own (a file that arrives corrupt);
+    ``hub.locations[NAME]``: another storage URL. An empty Hugging Face cache
+    (HF_HUB_CACHE) of the test's own."""
     files = type("Files", (dict,), {"__setitem__": lambda self, name, data: (
         dict.__setitem__(self, name, data), server.routes.__setitem__(
             f"/cdn/{name}", Route(data=data, etag=f'"cdn-{len(data)}"')))})()
-    files.etags = {}
+    files.etags, files.locations = {}, {}
 
     class HubHandler(Handler):
         def do_HEAD(self):
@@ -837,16 +849,19 @@ def hub(server, monkeypatch, tmp_path):
 
         def do_GET(self):
             prefix = f"/org/model/resolve/{REVISION}/"
-            if not self.path.startswith("/org/"):
+            if not self.path.startswith(("/org/", "/old/")):
                 return super().do_GET()
             self.server.log.append({"path": self.path, "method": self.command,
                                     "range": self.headers.get("Range"),
                                     "if_range": self.headers.get("If-Range")})
+            if self.path.startswith("/old/"):
+                return self._error(307, {"Location": "/org/" + self.path[len("/old/"):]})
             name = self.path[len(prefix):] if self.path.startswith(prefix) else None
             if name not in files:
                 return self._error(404, {"X-Error-Code": "EntryNotFound"})
             sha = files.etags.get(name, hashlib.sha256(files[name]).hexdigest())
-            self._error(302, {"Location": f"/cdn/{name}", "X-Repo-Commit": REVISION,
+            self._error(302, {"Location": files.locations.get(name, f"/cdn/{name}"),
+                              "X-Repo-Commit": REVISION,
                               "X-Linked-Etag": f'"{sha}"', "X-Linked-Size": len(files[name]),
                               "ETag": '"' + "1" * 40 + '"'})  # the pointer's git blob id
 
@@ -910,13 +925,14 @@ def test_a_hub_file_resumes_where_an_earlier_run_stopped(server, hub, tmp_path):
     dl.mkdir()
     # what a run stopped by Ctrl-C, a full disk or a lost link leaves behind
     (dl / "model.safetensors.partial").write_bytes(DATA[:300_000])
-    (dl / "model.safetensors.partial.validator").write_text(f'"cdn-{len(DATA)}"')
+    # a validator from another storage node: not sent (the file at a commit cannot change)
+    (dl / "model.safetensors.partial.validator").write_text('"another-node"')
     table = fetch_mod.load_sources(table_for(server, tmp_path, {"model": hub_entry(
         "model.safetensors", sha256=SHA, size=len(DATA))}))
     assert fetch_mod.get("model", dl, None, table)[0].read_bytes() == DATA
     assert [(r["path"], r["range"], r["if_range"]) for r in server.log] == [
-        (f"/org/model/resolve/{REVISION}/model.safetensors", "bytes=300000-", f'"cdn-{len(DATA)}"'),
-        ("/cdn/model.safetensors", "bytes=300000-", f'"cdn-{len(DATA)}"')]
+        (f"/org/model/resolve/{REVISION}/model.safetensors", "bytes=300000-", None),
+        ("/cdn/model.safetensors", "bytes=300000-", None)]
     assert only(dl / "x") == ["model.safetensors"]
 
 
@@ -936,6 +952,61 @@ def test_a_hub_file_in_the_hugging_face_cache_is_used_without_the_network(
     (snapshot / "config.json").write_bytes(b'{"a": 2}')  # a cache that holds another file
     with pytest.raises(FetchError, match="the wrong checksum"):
         fetch_mod.get("model", tmp_path / "other", None, table)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("OFFLINE")
+    hub["config.json"] = b'{"a": 1}'  # online, a bad cached copy gives way to the hub's
+    out = fetch_mod.get("model", tmp_path / "online", None, table)[0]
+    assert out.read_bytes() == b'{"a": 1}' and len(server.log) == 2
+
+
+def test_a_cached_hub_file_without_a_public_record_is_checked_by_its_blob(
+        server, hub, tmp_path):
+    import huggingface_hub.constants as hub_constants
+
+    repo = Path(hub_constants.HF_HUB_CACHE) / "models--org--model"
+    (repo / "snapshots" / REVISION).mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for name, data, blob in [("good.parquet", b"PAR1 a PAR1", None),
+                             ("bad.parquet", b"PAR1 junk PAR1", "0" * 64)]:
+        blob = repo / "blobs" / (blob or hashlib.sha256(data).hexdigest())  # as the hub's
+        blob.write_bytes(data)
+        (repo / "snapshots" / REVISION / name).symlink_to(blob)
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"data": hub_entry(
+        "good.parquet", "bad.parquet", no_public_record="a test")}))
+    os.environ["OFFLINE"] = "1"
+    try:
+        with pytest.raises(FetchError, match=f"the wrong checksum .*not {'0' * 64}"):
+            fetch_mod.get("data", tmp_path / "dl", None, table)
+    finally:
+        del os.environ["OFFLINE"]
+    assert (tmp_path / "dl" / "good.parquet").read_bytes() == b"PAR1 a PAR1"
+    assert only(tmp_path / "dl" / "x") == ["bad.parquet.bad", "good.parquet"]
+
+
+def test_the_hubs_sha256_is_read_through_a_renamed_repositorys_redirect(server, hub, tmp_path):
+    hub["a.parquet"] = b"PAR1" + DATA + b"PAR1"
+    hub.etags["a.parquet"] = "0" * 64
+    entry = hub_entry("a.parquet", no_public_record="a test")
+    entry["hub"]["repo"] = "old/model"  # 307 to org/model, then 302 to the storage
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {"data": entry}))
+    with pytest.raises(FetchError, match=f"the wrong checksum .*not {'0' * 64}"):
+        fetch_mod.get("data", tmp_path / "dl", None, table)
+    assert [r["path"].split("/")[1] for r in server.log] == ["old", "org", "cdn"]
+
+
+def test_a_storage_host_out_of_reach_does_not_make_the_hub_out_of_reach(server, hub, tmp_path):
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    hub["big.bin"], hub["small.json"] = DATA, b"{}"
+    hub.locations["big.bin"] = f"http://127.0.0.1:{port}/big.bin"
+    table = fetch_mod.load_sources(table_for(server, tmp_path, {
+        "big": hub_entry("big.bin", sha256=SHA, size=len(DATA)),
+        "small": hub_entry("small.json", sha256=hashlib.sha256(b"{}").hexdigest(), size=2)}))
+    with pytest.raises(fetch_mod.NoNetwork):
+        fetch_mod.get("big", tmp_path / "dl", None, table, )
+    assert set(fetch_mod._unreachable) == {f"127.0.0.1:{port}"}  # the storage, not the hub
+    assert fetch_mod.get("small", tmp_path / "dl", None, table)[0].read_bytes() == b"{}"
 
 
 def test_hub_files_offline_every_missing_file_named(server, hub, tmp_path):

@@ -22,8 +22,9 @@ FLOOR = ["transformers==4.48.3", "accelerate==1.0.1", "huggingface_hub==0.36.2",
          "idna==3.10", "certifi==2024.8.30", "charset-normalizer==3.4.0"]
 FILES = ["tests/test_hf.py", "tests/test_hf_lm.py", "tests/test_glue_bert_recipe.py",
          # the downloader's use of the Hugging Face cache: huggingface_hub of the floor's time
-         "tests/test_fetch.py::"
-         "test_a_hub_file_in_the_hugging_face_cache_is_used_without_the_network"]
+         *(f"tests/test_fetch.py::{test}" for test in [
+             "test_a_hub_file_in_the_hugging_face_cache_is_used_without_the_network",
+             "test_a_cached_hub_file_without_a_public_record_is_checked_by_its_blob"])]
 
 
 def floor_packages():

@@ -18,7 +18,7 @@ size from a public record, or, where no public record exists (fairseq's model ta
 size as served, and an archive read to its end. Files on the Hugging Face hub are fetched
 like the others, from the hub's address for the file at a pinned commit; one without a
 public record is checked against the SHA-256 that the hub publishes for it there, and a copy
-already in the Hugging Face cache at that commit is used without the network. Nothing appears under FILE unless verified; a
+already in the Hugging Face cache at that commit is used first, without the network. Nothing appears under FILE unless verified; a
 download that fails verification is kept as ``FILE.bad``, never resumed from. ``--record``
 pins a file that has no public record: the SHA-256 of its first download is written to
 ``FILE.sha256`` and checked on later runs (without ``--record`` nothing is pinned after
@@ -35,7 +35,8 @@ How a file is fetched (requests and urllib3, the hub's files too):
   back-off (a 429's or 503's ``Retry-After`` is honoured), ``--retries`` tries in all,
   then the next URL;
 * into ``FILE.partial``, resumed with a Range request and ``If-Range`` (the partial file's
-  ETag or Last-Modified): a file that changed meanwhile is fetched afresh, never spliced;
+  ETag or Last-Modified; a hub file, at a commit, without): a file that changed meanwhile
+  is fetched afresh, never spliced;
   a download cut after some bytes resumes at once; Ctrl-C and a full disk keep the
   partial file for the next run;
 * 403, 404 and other refusals move to the next URL at once; so does a host that cannot be
@@ -283,11 +284,11 @@ def remove_made(made, *lock_of):
 
 class _Answer(Exception):
     """Why a URL did not serve the file; ``cut``: after some bytes (resumed at once);
-    ``unreachable``: why no connection was made."""
+    ``unreachable``: why no connection was made to ``host`` (host:port)."""
 
-    def __init__(self, text, cut=False, unreachable=None):
+    def __init__(self, text, cut=False, unreachable=None, host=None):
         super().__init__(text)
-        self.cut, self.unreachable = cut, unreachable
+        self.cut, self.unreachable, self.host = cut, unreachable, host
 
 
 class _Retry(Retry):
@@ -316,7 +317,8 @@ def _open(url, retry, timeouts, method="GET", **kwargs):
         if not isinstance(why, (ConnectTimeoutError, ProxyError)):
             raise _Answer(f"no answer ({why})") from None
         text = f"within {timeouts[0]:g} s" if type(why) is ConnectTimeoutError else why
-        raise _Answer(f"no connection ({text})", unreachable=why) from None
+        host = urllib.parse.urlsplit(getattr(e.request, "url", None) or url).netloc
+        raise _Answer(f"no connection ({text})", unreachable=why, host=host) from None
 
 
 class _Log:
@@ -348,22 +350,25 @@ def _restart(partial):
     partial.with_name(partial.name + ".validator").unlink(missing_ok=True)
 
 
-def _download(url, partial, name, retry, timeouts, unverifiable):
+def _download(url, partial, name, retry, timeouts, unverifiable, pinned=False):
     """``url`` into ``partial``, resumed with Range and If-Range (the ETag or Last-Modified
     of its first answer): a file that changed meanwhile, or a server that ignores Range,
-    sends the whole file, which starts afresh. Returns ``partial`` whole and the headers of
-    the URL's own answer (before a redirect), else _Answer. ``unverifiable``: nothing will
-    check the file, so a body whose end cannot be told from a cut is refused."""
+    sends the whole file, which starts afresh. ``pinned``: a file that cannot change (the
+    hub's, at a commit; checked by its SHA-256 after), resumed without If-Range, whose
+    storage's validators may differ from answer to answer. Returns ``partial`` whole and
+    the headers of every answer (redirects first), else _Answer. ``unverifiable``: nothing
+    will check the file, so a body whose end cannot be told from a cut is refused."""
     have, validator = _size(partial), partial.with_name(partial.name + ".validator")
-    headers = {"Range": f"bytes={have}-",
-               "If-Range": validator.read_text() if validator.is_file() else None}
+    headers = {"Range": f"bytes={have}-", "If-Range": validator.read_text()
+               if validator.is_file() and not pinned else None}
     with _open(url, retry, timeouts, headers=headers if have else {}, stream=True) as resp:
+        chain = [r.headers for r in (*resp.history, resp)]
         rng = resp.headers.get("Content-Range", "")
         if have and resp.status_code in (206, 416) and not rng.startswith(f"bytes {have}-"):
             if rng.endswith(f"/{have}"):
-                return partial, (resp.history or [resp])[0].headers  # whole already
+                return partial, chain  # whole already (a run killed after it)
             _restart(partial)  # another range: afresh
-            return _download(url, partial, name, retry, timeouts, unverifiable)
+            return _download(url, partial, name, retry, timeouts, unverifiable, pinned)
         if resp.status_code >= 400:
             raise _Answer(f"{resp.status_code} {resp.reason}")
         if resp.status_code != 206:
@@ -400,7 +405,7 @@ def _download(url, partial, name, retry, timeouts, unverifiable):
                 raise FetchError(f"the disk is full: {partial} holds {human(_size(partial))} so "
                                  "far; free space and run again: the download resumes from "
                                  "there") from None
-        return partial, (resp.history or [resp])[0].headers
+        return partial, chain
 
 
 def _hub_cached(hub):
@@ -408,17 +413,20 @@ def _hub_cached(hub):
     huggingface_hub), or None: used without the network, offline too."""
     try:
         from huggingface_hub import try_to_load_from_cache
-    except ImportError:
+        path = try_to_load_from_cache(hub["repo"], hub["path"], revision=hub["revision"],
+                                      repo_type=hub.get("type"))
+    except (ImportError, ValueError):  # not installed; a repo id it refuses (then a 404)
         return None
-    path = try_to_load_from_cache(hub["repo"], hub["path"], revision=hub["revision"],
-                                  repo_type=hub.get("type"))
     return Path(path) if isinstance(path, str) else None
 
 
-def _published(headers):
-    """The SHA-256 the hub publishes for a file it keeps in git LFS (its answer's
-    X-Linked-Etag), as ``("sha256", hex)``; None for a file kept in git (a blob id)."""
-    tag = (headers.get("X-Linked-Etag") or headers.get("ETag") or "").strip('"')
+def _published(chain):
+    """The SHA-256 the hub publishes for a file it keeps in git LFS, as ``("sha256", hex)``,
+    from the headers of its answers: the X-Linked-Etag of one (a redirect to its storage),
+    or the ETag of a single answer (the file served itself); None for a file kept in git
+    (its ETag is a git blob id)."""
+    tags = [h.get("X-Linked-Etag") for h in chain] + [chain[0].get("ETag")] * (len(chain) == 1)
+    tag = next((t for t in tags if t), "").strip('"')
     return ("sha256", tag) if len(tag) == 64 and set(tag) <= set("0123456789abcdef") else None
 
 
@@ -439,17 +447,24 @@ def _from_urls(urls, out, partial, expected, size, tries, backoff, timeout, hub)
             before = _size(partial)
             say(f"{out.name}: from {url}" + (f" (resuming at {human(before)})" if before else ""))
             try:
-                if isinstance(url, Path):
-                    path, headers = Path(shutil.copyfile(url, partial)), {}
+                if isinstance(url, Path):  # the cache's file links to a blob named by SHA-256
+                    path = Path(shutil.copyfile(url, partial))
+                    chain = [{"ETag": Path(os.path.realpath(url)).name}]
+                elif urllib.parse.urlsplit(url).netloc in _unreachable:
+                    host = urllib.parse.urlsplit(url).netloc
+                    raise _Answer(f"not tried ({_unreachable[host]} earlier in this run)",
+                                  unreachable=True, host=host)
                 else:
-                    path, headers = _download(url, partial, out.name, retry, timeouts,
-                                              expected is None and size is None)
+                    path, chain = _download(url, partial, out.name, retry, timeouts,
+                                            expected is None and size is None, bool(hub))
             except _Answer as e:
                 say(f"{out.name}: {e}")
                 answer = e
+                if e.unreachable is not None and e.host:  # not waited for again in this run
+                    _unreachable.setdefault(e.host, f"{url}: {e}")
                 continue
             # without a public record, a hub file is checked against the hub's own SHA-256
-            published = _published(headers) if hub else None
+            published = _published(chain) if hub else None
             problem, bad = _verify(path, expected or published, size, url, out.name), \
                 out.with_name(out.name + ".bad")
             if published and not expected and not problem:
@@ -513,18 +528,17 @@ def fetch(urls, out, *, sha256=None, md5=None, sha1=None, size=None, timeout=Non
         return _there_already(out, expected, size, record)
     by_hand = manual_command(urls, out, expected)
     missing = f"{out} is missing: it comes from {' or '.join(urls)}; fetch it by hand: {by_hand}"
-    cached = _hub_cached(hub) if hub else None
-    if cached:  # no network needed
-        urls = [cached]
-    elif offline():
-        raise Offline(f"OFFLINE=1 and {missing}", missing)
-    elif hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        raise Offline(f"HF_HUB_OFFLINE=1 and {missing}", missing)
-    elif urls and all(urllib.parse.urlsplit(u).hostname in _unreachable for u in urls):
-        why = _unreachable[urllib.parse.urlsplit(urls[-1]).hostname]
-        raise NoNetwork(f"no network ({why}): {missing}", missing)
-    elif not urls:
+    cached = _hub_cached(hub) if hub else None  # used first, offline too
+    hub_offline = hub and os.environ.get("HF_HUB_OFFLINE", "").upper() in (
+        "1", "ON", "YES", "TRUE")
+    if (offline() or hub_offline) and not cached:
+        raise Offline(f"{'OFFLINE' if offline() else 'HF_HUB_OFFLINE'}=1 and {missing}", missing)
+    if not (urls or cached):
         raise FetchError(f"no URL for {out}")
+    if not cached and all(urllib.parse.urlsplit(u).netloc in _unreachable for u in urls):
+        why = _unreachable[urllib.parse.urlsplit(urls[-1]).netloc]
+        raise NoNetwork(f"no network ({why}): {missing}", missing)
+    urls = [cached] * bool(cached) + ([] if offline() or hub_offline else urls)
     partial, bad = out.with_name(out.name + ".partial"), out.with_name(out.name + ".bad")
     made, tried = make_folder(out.parent), []
     try:
@@ -550,8 +564,6 @@ def fetch(urls, out, *, sha256=None, md5=None, sha1=None, size=None, timeout=Non
             remove_made(made, out)  # only where empty: nothing else is left behind
     reasons = "; ".join(f"{url}: {answer}" for url, answer in tried)
     hint = f", or {local_hint}" if local_hint else ""
-    _unreachable.update((urllib.parse.urlsplit(url).hostname, f"{url}: {answer}")
-                        for url, answer in tried if answer.unreachable is not None)
     if all(answer.unreachable is not None for _, answer in tried):
         raise NoNetwork(f"cannot fetch {out.name}: {reasons}. No host could be reached; as "
                         f"with OFFLINE=1: {missing}{hint}", missing)
