@@ -17,12 +17,12 @@ size from a public record, or, where no public record exists (fairseq's model ta
 ``no_public_record`` field that says so, and then the file is checked for being whole: its
 size as served, and an archive read to its end. Files on the Hugging Face hub are fetched
 like the others, from the hub's address for the file at a pinned commit; one without a
-public record is checked against the SHA-256 that the hub publishes for it there, and a copy
-already in the Hugging Face cache at that commit is used first, without the network. Nothing appears under FILE unless verified; a
-download that fails verification is kept as ``FILE.bad``, never resumed from. ``--record``
-pins a file that has no public record: the SHA-256 of its first download is written to
-``FILE.sha256`` and checked on later runs (without ``--record`` nothing is pinned after
-the fact).
+public record is checked against the SHA-256 that the hub publishes for it there, and a
+copy already in the Hugging Face cache at that commit is used first, without the network.
+Nothing appears under FILE unless verified; a download that fails verification is kept as
+``FILE.bad``, never resumed from. ``--record`` pins a file that has no public record: the
+SHA-256 of its first download is written to ``FILE.sha256`` and checked on later runs
+(without ``--record`` nothing is pinned after the fact).
 
 How a file is fetched (requests and urllib3, the hub's files too):
 
@@ -154,13 +154,18 @@ def file_digest(path, algorithm):
     return h.hexdigest()
 
 
+def is_hex(value, digits):
+    """Whether ``value`` is ``digits`` lower-case hex digits (a digest, a commit id)."""
+    return len(value) == digits and all(c in "0123456789abcdef" for c in value)
+
+
 def check_digest(algorithm, value, where=None):
     """``(algorithm, lower-case hex)``, or BadInput saying what is wrong (``where``: the file
     the value was read from; default: the option)."""
     if algorithm not in DIGESTS:
         raise BadInput(f"unknown checksum {algorithm!r}: give {', '.join(DIGESTS)}")
     value = value.strip().lower()
-    if len(value) != DIGESTS[algorithm] or any(c not in "0123456789abcdef" for c in value):
+    if not is_hex(value, DIGESTS[algorithm]):
         raise BadInput(f"{where or '--' + algorithm} must hold {DIGESTS[algorithm]} hex "
                        f"digits, not {value!r}")
     return algorithm, value
@@ -427,7 +432,7 @@ def _published(chain):
     (its ETag is a git blob id)."""
     tags = [h.get("X-Linked-Etag") for h in chain] + [chain[0].get("ETag")] * (len(chain) == 1)
     tag = next((t for t in tags if t), "").strip('"')
-    return ("sha256", tag) if len(tag) == 64 and set(tag) <= set("0123456789abcdef") else None
+    return ("sha256", tag) if is_hex(tag, 64) else None
 
 
 def _from_urls(urls, out, partial, expected, size, tries, backoff, timeout, hub):
@@ -450,8 +455,7 @@ def _from_urls(urls, out, partial, expected, size, tries, backoff, timeout, hub)
                 if isinstance(url, Path):  # the cache's file links to a blob named by SHA-256
                     path = Path(shutil.copyfile(url, partial))
                     chain = [{"ETag": Path(os.path.realpath(url)).name}]
-                elif urllib.parse.urlsplit(url).netloc in _unreachable:
-                    host = urllib.parse.urlsplit(url).netloc
+                elif (host := urllib.parse.urlsplit(url).netloc) in _unreachable:
                     raise _Answer(f"not tried ({_unreachable[host]} earlier in this run)",
                                   unreachable=True, host=host)
                 else:
@@ -538,7 +542,10 @@ def fetch(urls, out, *, sha256=None, md5=None, sha1=None, size=None, timeout=Non
     if not cached and all(urllib.parse.urlsplit(u).netloc in _unreachable for u in urls):
         why = _unreachable[urllib.parse.urlsplit(urls[-1]).netloc]
         raise NoNetwork(f"no network ({why}): {missing}", missing)
-    urls = [cached] * bool(cached) + ([] if offline() or hub_offline else urls)
+    if offline() or hub_offline:
+        urls = [cached]  # the cache's copy only
+    elif cached:
+        urls = [cached, *urls]
     partial, bad = out.with_name(out.name + ".partial"), out.with_name(out.name + ".bad")
     made, tried = make_folder(out.parent), []
     try:
@@ -612,8 +619,7 @@ def load_sources(path=None):
         hub = entry.get("hub")
         if hub and not (hub.get("repo") and hub.get("revision")):
             raise FetchError(f"{path}: {name}'s hub needs a repo and a revision")
-        if hub and not (len(hub["revision"]) == 40 and set(hub["revision"]) <= set(
-                "0123456789abcdef")):  # a branch or tag moves: its files are not pinned
+        if hub and not is_hex(hub["revision"], 40):  # a branch or tag moves: not pinned
             raise FetchError(f"{path}: {name}'s hub revision is {hub['revision']!r}: give the "
                              "commit id (40 hex digits) to fetch its files at")
         make = entry.get("make", "copy")
