@@ -459,17 +459,16 @@ def test_named_sources_offline_and_dry_run(server, tmp_path):
         server.url("/o.bin")], "sha256": SHA}]}}, "unpinned.json")
     proc = cli("--dir", dl, "x", env={"RDROP_SOURCES": str(unpinned)})
     assert proc.returncode != 0 and "x's o.bin is not pinned: give its sha256" in proc.stderr
-    on_a_branch = table_for(server, tmp_path, {"h": {"hub": {"repo": "org/m", "revision": "main"},
-                                                     "files": [{"name": "h.bin", "path": "h.bin",
-                                                                "sha256": SHA, "size": 1}]}},
-                            "branch.json")
+    branch = {"hub": {"repo": "org/m", "revision": "main"},
+              "files": [{"name": "h.bin", "path": "h.bin", "sha256": SHA, "size": 1}]}
+    on_a_branch = table_for(server, tmp_path, {"h": branch}, "branch.json")
     proc = cli("--dir", dl, "h", env={"RDROP_SOURCES": str(on_a_branch)})
     assert proc.returncode != 0 and "h's hub revision is 'main': give the commit id" in proc.stderr
     for spec in ({"urls": [server.url("/o.bin")]},  # a hub file is fetched from its hub
                  {"path": "h.bin", "urls": [server.url("/o.bin")]}):
-        with_urls = table_for(server, tmp_path, {"h": {"hub": {"repo": "org/m", "revision": "0" * 40},
-                                                       "files": [{"name": "h.bin", "sha256": SHA,
-                                                                  "size": 1, **spec}]}}, "urls.json")
+        entry = {"hub": {"repo": "org/m", "revision": "0" * 40},
+                 "files": [{"name": "h.bin", "sha256": SHA, "size": 1, **spec}]}
+        with_urls = table_for(server, tmp_path, {"h": entry}, "urls.json")
         proc = cli("--dir", dl, "h", env={"RDROP_SOURCES": str(with_urls)})
         assert proc.returncode != 0 and "Traceback" not in proc.stderr
         assert "h's h.bin is on its hub: give its path in the repository, not urls" in proc.stderr
