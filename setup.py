@@ -42,7 +42,7 @@ setup(
         # 1.15.0 on torch 2.13, and its Hugging Face tests with transformers 4.48.3 (the
         # floor: tests/test_transformers_floor.py); before 4.48 the Trainer's
         # gradient-accumulation rules differ between patch releases (docs/huggingface.md)
-        "hf": ["transformers>=4.48.0,<6", "accelerate>=1.0.1", "scikit-learn", "scipy"],
+        "hf": ["transformers>=4.49.0,<6", "accelerate>=1.0.1", "scikit-learn", "scipy"],
         # RDropMixin with TRL's SFTTrainer and PEFT's LoRA (docs/huggingface.md), tested
         # with trl 1.16.0 and peft 0.21.2; pandas 3 needs NumPy 2, and fairseq NumPy 1
         "hf-sft": ["trl>=1.16", "peft>=0.21.2", "pandas<3"],

@@ -1,7 +1,8 @@
 """R-Drop for Hugging Face models: :class:`RDropTrainer` (a ``transformers.Trainer``),
-:class:`RDropSeq2SeqTrainer` (a ``Seq2SeqTrainer``) and :class:`RDropMixin`, which gives any
-Trainer subclass (TRL's ``SFTTrainer``, say) R-Drop's training loss, computed by this
-project's core (:func:`rdrop_fairseq.core.rdrop_loss`, or
+:class:`RDropSeq2SeqTrainer` (a ``Seq2SeqTrainer``), :class:`RDropMixin`, which gives any
+Trainer subclass (TRL's ``SFTTrainer``, say) R-Drop's training loss, and
+:func:`rdrop_hf_loss`, the same loss for an Accelerate or plain-PyTorch loop. The loss is
+computed by this project's core (:func:`rdrop_fairseq.core.rdrop_loss`, or
 :func:`rdrop_fairseq.fused_linear.fused_linear_rdrop_loss` from the hidden states).
 
     from rdrop_fairseq.hf import RDropTrainer
@@ -17,18 +18,22 @@ different mask for each half), as the fairseq criteria do. The loss of a labelle
   Hugging Face smooths it (``eps / V`` on every class);
 * regression (one output): ``(y1 - y)^2 + (y2 - y)^2 + alpha * (y1 - y2)^2``;
 
-summed over the items and divided by the number of labelled items of one pass in the
-whole accumulated batch (examples for sequence heads, tokens not labelled -100 otherwise;
-for a causal LM, the tokens after the first, as the model shifts its labels). So ``alpha``
-means what ``--rdrop-alpha`` means in fairseq, and ``gradient_accumulation_steps = k``
-gives the gradient of one batch k times as large. Evaluation, prediction and generation
-run one pass, with the model's own loss. Needs the ``hf`` extra; importing
-``rdrop_fairseq`` alone does not import transformers.
+summed over the items and divided by the number of labelled items of one pass in the whole
+accumulated batch (examples for sequence heads, tokens not labelled -100 otherwise; for a
+model that shifts its labels, the tokens after the first). A mixture of experts adds its
+router loss to each pass, as its own loss does. Whether a model shifts its labels is read
+from what it does (:func:`model_kind`), not from its class name. So ``alpha`` means what
+``--rdrop-alpha`` means in fairseq, ``gradient_accumulation_steps = k`` gives the gradient
+of one batch k times as large, and at ``alpha = 0`` with dropout off the loss is twice the
+model's own. Evaluation, prediction and generation run one pass, with the model's own
+loss. Needs the ``hf`` extra; importing ``rdrop_fairseq`` alone does not import
+transformers.
 """
 
 import math
 import os
 import warnings
+from collections import namedtuple
 from collections.abc import Mapping
 
 import torch
@@ -42,14 +47,21 @@ from .core import (IMPLS, RDropBatchError, chunk_budget_mb, duplicate_net_input,
                    mse_consistency, rdrop_loss)
 from .fused_linear import fused_linear_rdrop_loss
 
-__all__ = ["RDropMixin", "RDropTrainer", "RDropSeq2SeqTrainer", "labelled_items",
-           "declare_loss_scaling", "warmup_arguments", "TRANSFORMERS_RANGE"]
+__all__ = ["RDropMixin", "RDropTrainer", "RDropSeq2SeqTrainer", "rdrop_hf_loss", "model_kind",
+           "labelled_items", "declare_loss_scaling", "warmup_arguments", "TRANSFORMERS_RANGE"]
 
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
 
 # The transformers versions admitted (setup.py's hf extra says the same; tests check both):
-# from the oldest the suite has run to the next major release
-TRANSFORMERS_RANGE = ("4.48.0", "6")
+# 4.48.0 accumulates a wrong gradient, and before 4.49 DeepSpeed divides a loss already
+# normalised over the accumulated batch by the accumulation steps again
+TRANSFORMERS_RANGE = ("4.49.0", "6")
+
+# How a model's logits line up with its labels (model_kind): "causal" (position t scores
+# labels[t + 1]), "seq2seq" (decoder logits against labels, decoder inputs the labels
+# shifted right), "encoder" (logits against labels as they are: sequence and token heads,
+# masked LMs, and decoders whose own loss does not shift)
+KINDS = ("causal", "seq2seq", "encoder")
 
 # Model configurations whose head does more than a linear layer after the hidden states,
 # which the fused path does not reproduce: attribute, and what it does
@@ -58,6 +70,12 @@ _HEAD_EXTRAS = {
     "logit_scale": "scales the logits (logit_scale)",
     "logits_scaling": "divides the logits by logits_scaling",
 }
+
+# Batch entries that hold images or videos in the order they appear in the batch (Qwen-VL's
+# flattened patches with their grids, LLaVA's images, Idefics' per-example stacks): [x; x]
+# shows them again in that order, so they are repeated along dim 0 whatever its size
+_VISUAL_PREFIXES = ("pixel_values", "pixel_attention_mask", "image_", "video_",
+                    "second_per_grid_ts")
 
 
 # ------------------------------------------------- the transformers versions, in one place
@@ -77,7 +95,7 @@ def declare_loss_scaling(trainer, scaled):
     """Tell ``trainer`` whether its ``compute_loss`` returns a loss already divided by the
     labelled items of the whole accumulated batch (``scaled``: the Trainer must not divide
     it by the accumulation steps) or a mean over each micro-batch (it must). transformers
-    5.19 and later read ``loss_is_scaled_for_ga``; 4.48 to 5.18 decide from
+    5.19 and later read ``loss_is_scaled_for_ga``; 4.49 to 5.18 decide from
     ``model_accepts_loss_kwargs`` (and, from 4.53, a ``num_items_in_batch`` that is not
     None, which :meth:`RDropMixin.get_batch_samples` always gives), which also says whether
     the Trainer passes ``num_items_in_batch`` to the model."""
@@ -99,6 +117,15 @@ def warmup_arguments(fraction):
 
 # ------------------------------------------------------------------------------ the loss
 
+RDropHFLoss = namedtuple("RDropHFLoss", "loss outputs nll kl items")
+RDropHFLoss.__doc__ = """Result of :func:`rdrop_hf_loss`. ``loss``: what to call
+``backward()`` on; ``outputs``: the model's output for ``[x; x]`` (its ``logits`` a stand-in
+on the fused path); for logging, detached and not synchronised: ``nll``, the plain
+cross-entropy of both passes summed over the labelled items (the squared errors for
+regression), ``kl``, the symmetric KL summed over them (regression: the squared difference),
+and ``items``, the labelled items of one pass in this batch."""
+
+
 def labelled_items(labels, causal=False):
     """Labelled items of one pass in ``labels``, as a tensor (no host-device sync):
     examples of a regression batch (float labels), else labels other than -100 (for a
@@ -110,6 +137,117 @@ def labelled_items(labels, causal=False):
     return labels.ne(IGNORE_INDEX).sum()
 
 
+def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
+                  num_items_in_batch=None, world_size=1, impl="auto", fused_linear=False,
+                  chunk_mb=0.0, grad_in_scores="auto", check_labels=False):
+    """R-Drop's training loss of one batch of a Hugging Face model (the trainers' own code),
+    for a loop of your own::
+
+        kind = model_kind(model)                      # once, before training
+        out = rdrop_hf_loss(model, batch, kind=kind, alpha=1.0)
+        out.loss.backward()
+
+    ``inputs``: the batch as the model takes it, with ``labels`` (-100: no loss). ``kind``:
+    :func:`model_kind`'s answer. ``label_smoothing``: Hugging Face's factor (``f / V`` on
+    every class). ``num_items_in_batch``: what the sum is divided by, the labelled items of
+    one pass (:func:`labelled_items`) summed over the accumulated micro-batches and the
+    processes; None: this batch's. ``world_size``: the processes whose gradients DDP
+    averages when the count is over all of them (the loss is multiplied by it, so that the
+    average is the whole batch's gradient). ``impl``, ``fused_linear``, ``chunk_mb``: as
+    :class:`RDropMixin`'s ``rdrop_*`` options. ``check_labels``: check on the host that
+    the labels are class indices of the head (it waits for the device: the first batch's);
+    later batches are checked on the device without waiting. With every dropout off the
+    two passes are the same and the KL is 0."""
+    labels = inputs.get("labels")
+    if not torch.is_tensor(labels):
+        raise RDropBatchError(
+            f"a training batch without 'labels' (its keys: {', '.join(sorted(inputs))}): "
+            "R-Drop's loss needs the labels of every training batch (-100 marks the tokens "
+            "without one)")
+    if any(key.startswith("cu_seq_lens") for key in inputs):
+        raise RDropBatchError(
+            "a padding-free batch (its sequences packed into one row, cu_seq_lens_*) cannot "
+            "go through the model twice as [x; x]: set padding_free=False (TRL: and a "
+            "packing strategy other than 'bfd')")
+    features = {key: value for key, value in inputs.items() if key != "labels"}
+    if kind in ("causal", "seq2seq"):
+        features.setdefault("use_cache", False)  # no key/value cache of the doubled batch
+    if kind == "seq2seq" and features.get("decoder_input_ids") is None:
+        # what the model does with labels and no decoder inputs: labels shifted right
+        features["decoder_input_ids"] = _unwrap(model).prepare_decoder_input_ids_from_labels(
+            labels=labels)
+    doubled = doubled_batch(features, labels.size(0))
+    # a causal LM predicts token t+1 at position t: the target of t is labels[t + 1]
+    target = _shifted(labels) if kind == "causal" else labels
+    if fused_linear:
+        outputs, result = _forward_through_fused_head(
+            model, doubled, target, alpha=alpha, smoothing=label_smoothing,
+            chunk_mb=chunk_mb, impl=impl, check_labels=check_labels)
+        total, nll, kl = result.total, result.nll, result.kl
+    else:
+        outputs = model(**doubled)
+        logits = _logits_of(outputs)
+        regression = _check_head(logits, target, model)
+        if check_labels and not regression:
+            _check_class_indices(target, logits.size(-1))
+        if regression:
+            predictions = logits.view(-1).float()
+            y = target.reshape(-1).float()
+            nll = F.mse_loss(predictions, torch.cat([y, y]), reduction="sum")
+            kl = mse_consistency(predictions)
+            total = nll + alpha * kl
+            nll, kl = nll.detach(), kl.detach()
+        else:
+            vocab = logits.size(-1)
+            _assert_class_indices_async(target, vocab)
+            # the logits' own buffer may take their gradient, unless the caller reads them
+            result = rdrop_loss(logits, target, alpha=alpha,
+                                epsilon=_fairseq_epsilon(label_smoothing, vocab),
+                                ignore_index=IGNORE_INDEX, impl=impl,
+                                grad_in_scores=grad_in_scores)
+            total, nll, kl = result.total, result.nll, result.kl
+    items = labelled_items(labels, causal=kind == "causal")
+    count = items if num_items_in_batch is None else num_items_in_batch
+    loss = total / torch.as_tensor(count, device=total.device).clamp_min(1)
+    loss = loss + 2 * _router_loss(model, outputs)  # each pass's, as its own loss adds it
+    if world_size != 1:
+        loss = loss * world_size
+    return RDropHFLoss(loss, outputs, nll, kl, items)
+
+
+def doubled_batch(features, batch):
+    """``[x; x]`` of a batch's features: every per-example tensor repeated along dim 0; the
+    images and videos of vision-language batches repeated in their order of appearance
+    (:data:`_VISUAL_PREFIXES`); 3-D position ids (Qwen-VL's multimodal rotary positions,
+    ``(3, B, L)``) repeated along their batch dimension. Anything else whose dim 0 is not
+    the batch is refused, naming it."""
+    visual, rest = {}, {}
+    for key, value in features.items():
+        if torch.is_tensor(value) and key.startswith(_VISUAL_PREFIXES):
+            visual[key] = torch.cat([value, value])
+        elif key == "position_ids" and torch.is_tensor(value) and value.dim() == 3:
+            if value.size(1) != batch:
+                raise RDropBatchError(f"cannot duplicate inputs['position_ids'] of shape "
+                                      f"{tuple(value.shape)}: expected (sections, {batch}, "
+                                      "length)")
+            visual[key] = torch.cat([value, value], dim=1)
+        else:
+            rest[key] = value
+    return {**duplicate_net_input(rest, batch, _path="inputs"), **visual}
+
+
+def _router_loss(model, outputs):
+    """The router (load-balancing) loss a mixture of experts adds to its own loss when its
+    configuration has ``router_aux_loss_coef`` and it returns ``aux_loss``, else 0."""
+    aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else None
+    coef = getattr(getattr(_unwrap(model), "config", None), "router_aux_loss_coef", None)
+    if not torch.is_tensor(aux) or not coef:
+        return 0.0
+    return coef * aux
+
+
+# ---------------------------------------------------------------------------- the trainers
+
 class RDropMixin:
     """R-Drop's training loss for a ``transformers.Trainer`` subclass: put it first,
     ``class RDropSFTTrainer(RDropMixin, SFTTrainer): pass``.
@@ -119,13 +257,16 @@ class RDropMixin:
     (``auto``: the Triton kernel on CUDA when triton imports, else torch; ``torch``;
     ``triton``), ``rdrop_fused_linear`` (language-model heads: the loss from the hidden
     states and the output embedding, a chunk at a time, so that the 2N x V logits are never
-    made) and ``rdrop_chunk_mb`` (the fused path's chunk budget, MiB; 0 automatic).
-    Covered: sequence classification and regression, token classification, masked LM,
-    causal LM, encoder-decoder LM. Anything else is refused when the trainer is made.
+    made), ``rdrop_chunk_mb`` (the fused path's chunk budget, MiB; 0 automatic) and
+    ``rdrop_model_kind`` (``auto``: read from the model, :func:`model_kind`; or
+    ``causal``, ``seq2seq``, ``encoder``). Logged at ``logging_steps`` besides ``loss``:
+    ``rdrop_ce`` (the cross-entropy of one pass per labelled item, comparable with
+    ``eval_loss``) and ``rdrop_kl``. Anything it cannot train is refused when the trainer
+    is made.
     """
 
     def __init__(self, *args, rdrop_alpha=1.0, rdrop_impl="auto", rdrop_fused_linear=False,
-                 rdrop_chunk_mb=0.0, **kwargs):
+                 rdrop_chunk_mb=0.0, rdrop_model_kind="auto", **kwargs):
         check_transformers_version()
         # refused before the Trainer makes its output_dir
         self.rdrop_alpha = _checked_alpha(rdrop_alpha)
@@ -134,7 +275,13 @@ class RDropMixin:
         self.rdrop_fused_linear = bool(rdrop_fused_linear)
         chunk_budget_mb(float(rdrop_chunk_mb), torch.empty(0))  # finite, >= 0
         self.rdrop_chunk_mb = float(rdrop_chunk_mb)
+        if rdrop_model_kind not in ("auto", *KINDS):
+            raise ValueError(f"rdrop_model_kind must be 'auto' or one of {', '.join(KINDS)}, "
+                             f"got {rdrop_model_kind!r}")
+        self.rdrop_model_kind = rdrop_model_kind
         self._rdrop_smoothing = float(getattr(training_args, "label_smoothing_factor", 0.0) or 0)
+        _check_parallelism(type(self).__name__, training_args)
+        _check_trl_loss(type(self).__name__, training_args)
         model = kwargs.get("model", args[0] if args else None)
         if model is not None:
             self._rdrop_kind = self._rdrop_check_model(model)
@@ -142,11 +289,13 @@ class RDropMixin:
             raise ValueError(f"{type(self).__name__} computes the training loss itself: leave "
                              "out compute_loss_func (or use the plain Trainer)")
         super().__init__(*args, **kwargs)
+        self._model_takes_loss_kwargs = self.model_accepts_loss_kwargs  # the Trainer's reading
         declare_loss_scaling(self, True)
         if self.label_names not in (["labels"], []):
             raise ValueError(f"{type(self).__name__} reads the labels from inputs['labels'], and "
                              f"this model or TrainingArguments.label_names names {self.label_names}")
         self._first_batch_checked = False
+        self._rdrop_sums = None  # nll, kl, items since the last log (on the device)
 
     def call_model_init(self, trial=None):
         """A model built by ``model_init`` gets the checks a ``model`` gets."""
@@ -155,9 +304,10 @@ class RDropMixin:
         return model
 
     def _rdrop_check_model(self, model):
-        kind = _model_kind(model)
-        if self.rdrop_fused_linear:
-            _check_fused_head(model, kind)
+        try:
+            kind = model_kind(model, self.rdrop_model_kind, fused_linear=self.rdrop_fused_linear)
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__}: {error}") from None
         if self.rdrop_alpha and not _has_dropout(model):
             warnings.warn(
                 f"{type(self).__name__}: rdrop_alpha {self.rdrop_alpha} but every dropout of "
@@ -169,80 +319,54 @@ class RDropMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """R-Drop's loss in training; the model's own loss (one pass) in evaluation."""
         if not model.training:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
-        labels = inputs.get("labels")
-        if not torch.is_tensor(labels):
-            hint = "" if self.label_names else (
-                "; this model's forward takes no 'labels', so the Trainer drops them from "
-                "the batches: use a model with a head (...ForSequenceClassification, "
-                "...ForTokenClassification, ...ForMaskedLM, ...ForCausalLM, "
-                "...ForConditionalGeneration)")
+            # the model's own mean: no item count passed to it nor multiplied by processes
+            # (what the Trainer does for a model that takes no loss arguments)
+            self.model_accepts_loss_kwargs = False
+            try:
+                return super().compute_loss(model, inputs, return_outputs=return_outputs)
+            finally:
+                declare_loss_scaling(self, True)
+        if not torch.is_tensor(inputs.get("labels")) and not self.label_names:
             raise RDropBatchError(
                 f"{type(self).__name__}: a training batch without 'labels' (its keys: "
-                f"{', '.join(sorted(inputs))}): R-Drop's loss needs the labels of every "
-                f"training batch (-100 marks the tokens without one){hint}")
-        if any(key.startswith("cu_seq_lens") for key in inputs):
-            raise RDropBatchError(
-                f"{type(self).__name__}: a padding-free batch (its sequences packed into one "
-                "row, cu_seq_lens_*) cannot go through the model twice as [x; x]: set "
-                "padding_free=False (TRL: and a packing strategy other than 'bfd')")
-        kind = self._rdrop_kind
-        features = {key: value for key, value in inputs.items() if key != "labels"}
-        if kind in ("causal", "seq2seq"):
-            features.setdefault("use_cache", False)  # no key/value cache of the doubled batch
-        if kind == "seq2seq" and features.get("decoder_input_ids") is None:
-            # what the model does with labels and no decoder inputs: labels shifted right
-            features["decoder_input_ids"] = _unwrap(model).prepare_decoder_input_ids_from_labels(
-                labels=labels)
-        batch = labels.size(0)
-        doubled = duplicate_net_input(features, batch, _path="inputs")
-        # a causal LM predicts token t+1 at position t: the target of t is labels[t + 1]
-        target = _shifted(labels) if kind == "causal" else labels
-        smoothing = self._rdrop_smoothing
-        if self.rdrop_fused_linear:
-            hidden, weight, bias = _hidden_and_head(model, doubled)
-            vocab = weight.size(0)
-            if not self._first_batch_checked:
-                _check_class_indices(target, vocab)
-                self._first_batch_checked = True
-            _assert_class_indices_async(target, vocab)
-            total = fused_linear_rdrop_loss(
-                hidden, weight, target, bias=bias, alpha=self.rdrop_alpha,
-                epsilon=_fairseq_epsilon(smoothing, vocab), ignore_index=IGNORE_INDEX,
-                chunk_mb=self.rdrop_chunk_mb, impl=self.rdrop_impl).total
-            outputs = None
-        else:
-            outputs = model(**doubled)
-            logits = _logits_of(outputs)
-            regression = _check_head(logits, target, model)
-            if not self._first_batch_checked:  # once: reading the labels back waits for them
-                if not regression:
-                    _check_class_indices(target, logits.size(-1))
-                self._first_batch_checked = True
-            if regression:
-                predictions = logits.view(-1).float()
-                y = target.reshape(-1).float()
-                total = (F.mse_loss(predictions, torch.cat([y, y]), reduction="sum")
-                         + self.rdrop_alpha * mse_consistency(predictions))
-            else:
-                vocab = logits.size(-1)
-                _assert_class_indices_async(target, vocab)
-                # the logits' own buffer may take their gradient, unless the caller reads them
-                total = rdrop_loss(logits, target, alpha=self.rdrop_alpha,
-                                   epsilon=_fairseq_epsilon(smoothing, vocab),
-                                   ignore_index=IGNORE_INDEX, impl=self.rdrop_impl,
-                                   grad_in_scores=False if return_outputs else "auto").total
-        scale = 1
-        if num_items_in_batch is None:  # called outside the training loop: this batch
-            num_items_in_batch = labelled_items(labels, causal=kind == "causal")
-        elif self.args.average_tokens_across_devices and self.args.world_size > 1:
+                f"{', '.join(sorted(inputs))}): this model's forward takes no 'labels', so "
+                "the Trainer drops them from the batches: use a model with a head "
+                "(...ForSequenceClassification, ...ForTokenClassification, ...ForMaskedLM, "
+                "...ForCausalLM, ...ForConditionalGeneration)")
+        world_size = 1
+        if (num_items_in_batch is not None and self.args.average_tokens_across_devices
+                and self.args.world_size > 1):
             # the count is over all processes (get_batch_samples), and DDP averages gradients
-            scale = self.args.world_size
-        loss = total / torch.as_tensor(num_items_in_batch, device=total.device).clamp_min(1)
-        if scale != 1:
-            loss = loss * scale
-        return (loss, outputs) if return_outputs else loss
+            world_size = self.args.world_size
+        result = rdrop_hf_loss(
+            model, inputs, kind=self._rdrop_kind, alpha=self.rdrop_alpha,
+            label_smoothing=self._rdrop_smoothing, num_items_in_batch=num_items_in_batch,
+            world_size=world_size, impl=self.rdrop_impl, fused_linear=self.rdrop_fused_linear,
+            chunk_mb=self.rdrop_chunk_mb, grad_in_scores=False if return_outputs else "auto",
+            check_labels=not self._first_batch_checked)
+        self._first_batch_checked = True
+        self._rdrop_add_to_log(result)
+        return (result.loss, result.outputs) if return_outputs else result.loss
+
+    def _rdrop_add_to_log(self, result):
+        """Sums for the next log, kept on the device (no synchronisation per step)."""
+        step = torch.stack([result.nll.detach().float(), result.kl.detach().float(),
+                            result.items.float().to(result.nll.device)])
+        self._rdrop_sums = step if self._rdrop_sums is None else self._rdrop_sums + step
+
+    def log(self, logs, *args, **kwargs):
+        """The Trainer's log, with ``rdrop_ce`` and ``rdrop_kl`` per labelled item of one
+        pass since the last log, summed over the processes, where the log has a training
+        ``loss``."""
+        if "loss" in logs and self._rdrop_sums is not None:
+            sums = self._rdrop_sums
+            if self.args.world_size > 1:
+                sums = self.accelerator.reduce(sums, reduction="sum")
+            nll, kl, items = sums.tolist()
+            logs = {**logs, "rdrop_ce": round(nll / 2 / max(items, 1), 4),
+                    "rdrop_kl": round(kl / max(items, 1), 4)}
+            self._rdrop_sums = None
+        return super().log(logs, *args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device=None):
         """The next ``num_batches`` batches and their labelled items (:func:`labelled_items`),
@@ -273,6 +397,199 @@ class RDropTrainer(RDropMixin, Trainer):
 class RDropSeq2SeqTrainer(RDropMixin, Seq2SeqTrainer):
     """``transformers.Seq2SeqTrainer`` with R-Drop's training loss: evaluation with
     ``predict_with_generate`` generates from one pass, as the Seq2SeqTrainer does."""
+
+
+# ------------------------------------------------------------------------ the model's kind
+
+def model_kind(model, kind="auto", fused_linear=False):
+    """How ``model``'s logits line up with its labels: one of :data:`KINDS`, or a
+    ValueError that says why it cannot be trained here.
+
+    ``kind="auto"`` reads it from what the model does: a probe batch of 2 x 8 token ids goes
+    through the model (evaluation mode, no gradient) with labels, and its own loss (less a
+    mixture of experts' router loss) is compared with the cross-entropy of its logits
+    against the labels as they are and shifted by one position; a head with one output per
+    example (sequence classification, regression) needs no comparison. A model that takes
+    no token ids (an image classifier, say) is a sequence head if transformers lists it as
+    a classifier. ``kind`` one of :data:`KINDS` says it instead (still checked against
+    what is covered). ``fused_linear``: also check that the head is what the fused path
+    computes (:func:`_check_fused_head`)."""
+    inner = _unwrap(model)
+    name = type(inner).__name__
+    config = getattr(inner, "config", None)
+    if getattr(config, "problem_type", None) == "multi_label_classification":
+        raise ValueError(f"{name} is set up for multi-label classification (problem_type), "
+                         "which R-Drop's loss here does not cover")
+    for task, what in _UNCOVERED.items():
+        if _is(inner, task):
+            raise ValueError(f"{name} is {what}, which R-Drop's loss here does not cover. "
+                             f"{_COVERED}")
+    if kind == "auto":
+        kind = _probed_kind(model)
+    elif kind not in KINDS:
+        raise ValueError(f"the model kind must be 'auto' or one of {', '.join(KINDS)}, "
+                         f"got {kind!r}")
+    if kind == "seq2seq" and not callable(getattr(inner, "prepare_decoder_input_ids_from_labels",
+                                                  None)):
+        raise ValueError(f"{name} is an encoder-decoder model without a language-model head "
+                         f"(prepare_decoder_input_ids_from_labels). {_COVERED}")
+    if fused_linear:
+        _check_fused_head(model, kind)
+    return kind
+
+
+_COVERED = ("Covered: sequence classification and regression, token classification, masked "
+            "LM, causal LM (vision-language models included), encoder-decoder LM")
+_UNCOVERED = {"QUESTION_ANSWERING": "a question-answering head (start and end positions)",
+              "MULTIPLE_CHOICE": "a multiple-choice head",
+              "NEXT_SENTENCE_PREDICTION": "a next-sentence-prediction head",
+              "": "a bare model, without a head"}
+_PROBE = (2, 8)  # examples, tokens
+
+
+def _probed_kind(model):
+    inner = _unwrap(model)
+    name = type(inner).__name__
+    embeddings = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if not vocab:
+        return _kind_without_tokens(inner)
+    is_seq2seq = bool(getattr(inner.config, "is_encoder_decoder", False))
+    ids = _probe_tokens(inner, vocab, seed=0)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            if is_seq2seq:
+                return _compare_losses(model, ids, ("seq2seq",),
+                                       inner.get_output_embeddings().weight.size(0))
+            logits = _logits_of(_probe_call(model, name, input_ids=ids))
+            if logits.dim() == 2 and logits.size(0) == _PROBE[0]:
+                return "encoder"  # one output per example: nothing to shift
+            return _compare_losses(model, ids, ("causal", "encoder"), logits.size(-1))
+    finally:
+        model.train(was_training)
+
+
+def _compare_losses(model, ids, kinds, classes):
+    """The kind (of ``kinds``) whose cross-entropy of the logits is the model's own loss on
+    probe batches; probes whose shifted and unshifted losses agree decide nothing."""
+    inner = _unwrap(model)
+    name = type(inner).__name__
+    half = next(inner.parameters()).dtype in (torch.float16, torch.bfloat16)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed + 1)
+        if kinds == ("seq2seq",):  # target tokens: no special ones
+            labels = _probe_tokens(inner, classes, seed + 1)
+        else:
+            labels = torch.randint(0, classes, _PROBE, generator=g).to(ids.device)
+        labels[0, 3] = IGNORE_INDEX
+        outputs = _probe_call(model, name, input_ids=ids, labels=labels)
+        if isinstance(outputs, Mapping):
+            own, logits = outputs.get("loss"), _logits_of(outputs)
+        else:  # return_dict=False: the loss first where there is one
+            own, logits = (outputs[0], outputs[1]) if len(outputs) > 1 else (None, None)
+        if not torch.is_tensor(own) or own.dim() != 0:
+            raise ValueError(f"{name} returned no loss for labels, so how its logits line up "
+                             "with its labels cannot be read from it: pass rdrop_model_kind "
+                             f"({', '.join(KINDS)})")
+        own = float(own.double() - _router_loss(model, outputs))
+        logits = logits.double()
+        if logits.shape[:2] != labels.shape:
+            raise ValueError(f"{name}'s logits {tuple(logits.shape)} do not match a batch of "
+                             f"{tuple(labels.shape)} token labels: pass rdrop_model_kind "
+                             f"({', '.join(KINDS)})")
+        flat = dict(ignore_index=IGNORE_INDEX)
+        aligned = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **flat))
+        shifted = float(F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                        **flat))
+        candidates = {"seq2seq": aligned, "encoder": aligned, "causal": shifted}
+        tolerance = (2e-2 if half else 1e-5) * max(1.0, abs(own))
+        if abs(aligned - shifted) <= 4 * tolerance and len(kinds) > 1:
+            continue  # this probe cannot tell them apart
+        best = min(kinds, key=lambda k: abs(candidates[k] - own))
+        if abs(candidates[best] - own) <= tolerance:
+            return best
+        readings = ", ".join(f"{k} {candidates[k]:.6g}" for k in kinds)
+        raise ValueError(
+            f"{name}'s own loss on a probe batch ({own:.6g}) is not the cross-entropy of its "
+            f"logits read as any kind R-Drop covers ({readings}): it adds or computes "
+            "something else, which R-Drop's loss would not reproduce")
+    raise ValueError(f"{name}'s logits on probe batches do not tell whether its loss shifts "
+                     f"the labels: pass rdrop_model_kind ({', '.join(KINDS)})")
+
+
+def _probe_call(model, name, **inputs):
+    try:
+        return model(**inputs)
+    except Exception as error:  # any model's own refusal of a text-only probe batch
+        raise ValueError(
+            f"{name} could not take a probe batch of token ids, from which R-Drop reads how "
+            f"its logits line up with its labels ({type(error).__name__}: {error}); pass "
+            f"rdrop_model_kind ({', '.join(KINDS)})") from error
+
+
+def _probe_tokens(inner, vocab, seed):
+    """Random token ids below ``vocab``, none of the configuration's special tokens (an
+    image token would make a vision-language model look for an image)."""
+    special = set()
+    configs = [inner.config, *(getattr(inner.config, key, None) for key in
+                               ("text_config", "decoder", "encoder"))]
+    for config in filter(None, configs):
+        for key, value in (config.to_dict() if hasattr(config, "to_dict") else {}).items():
+            if "token" in key and isinstance(value, int) and not isinstance(value, bool):
+                special.add(value)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, _PROBE, generator=g)
+    plain = [t for t in range(min(vocab, len(special) + 8)) if t not in special]
+    for token in special:
+        ids[ids.eq(token)] = plain[-1]
+    return ids.to(next(inner.parameters()).device)
+
+
+def _kind_without_tokens(inner):
+    name = type(inner).__name__
+    if any(_is(inner, task) for task in ("IMAGE_CLASSIFICATION", "AUDIO_CLASSIFICATION",
+                                         "VIDEO_CLASSIFICATION", "SEQUENCE_CLASSIFICATION")):
+        return "encoder"
+    raise ValueError(f"{name} takes no token ids (it has no input embeddings), so R-Drop "
+                     "cannot read how its logits line up with its labels: pass "
+                     f"rdrop_model_kind ({', '.join(KINDS)})")
+
+
+# ------------------------------------------------------------------- where it is trained
+
+def _check_parallelism(name, args):
+    """Refuse the parallel settings in which [x; x] or the item count would be wrong."""
+    if args is None:
+        return
+    if getattr(args, "n_gpu", 1) > 1:
+        # the Trainer wraps the model in nn.DataParallel, which would send x to one GPU and
+        # its copy to another with the same dropout masks: the KL would always be 0
+        raise ValueError(
+            f"{name}: {args.n_gpu} GPUs are visible to one process, so the Trainer would use "
+            "nn.DataParallel, which splits [x; x] into its two copies with the same dropout "
+            "masks (the KL would be 0). Launch one process per GPU: torchrun "
+            "--nproc_per_node N train.py (or accelerate launch), or set CUDA_VISIBLE_DEVICES")
+    sizes = {"tp_size": getattr(args, "tp_size", None) or 1}
+    config = getattr(args, "parallelism_config", None)
+    for field in ("tp_size", "cp_size", "sp_size"):
+        sizes[field] = max(sizes.get(field, 1), getattr(config, field, None) or 1)
+    used = [f"{field} {size}" for field, size in sizes.items() if size > 1]
+    if used:
+        raise ValueError(
+            f"{name}: tensor, context and sequence parallelism ({', '.join(used)}) are not "
+            "supported: their processes share or split one batch, which R-Drop's item count "
+            "and its [x; x] do not follow. Use data parallelism (DDP, FSDP or DeepSpeed)")
+
+
+def _check_trl_loss(name, args):
+    """TRL's SFTConfig.loss_type: only its plain negative log-likelihood is R-Drop's CE."""
+    loss_type = getattr(args, "loss_type", None)
+    if type(args).__module__.startswith("trl") and loss_type not in (None, "nll"):
+        raise ValueError(f"{name}: TRL's loss_type {loss_type!r} is not R-Drop's "
+                         "cross-entropy, which replaces TRL's loss in training: set "
+                         "loss_type='nll'")
 
 
 # --------------------------------------------------------------------- checks and helpers
@@ -310,37 +627,6 @@ def _unwrap(model):
     return get_base() if callable(get_base) else model
 
 
-def _model_kind(model):
-    """``"causal"``, ``"seq2seq"`` or ``"encoder"`` (sequence or token classification,
-    regression, masked LM); a ValueError naming what is covered for anything else."""
-    inner = _unwrap(model)
-    config = getattr(inner, "config", None)
-    name = type(inner).__name__
-    covered = ("Covered: sequence classification and regression, token classification, "
-               "masked LM, causal LM (...ForCausalLM, GPT-2's LMHeadModel), encoder-decoder "
-               "LM (...ForConditionalGeneration, MarianMTModel, EncoderDecoderModel)")
-    if getattr(config, "problem_type", None) == "multi_label_classification":
-        raise ValueError(f"RDropTrainer: {name} is set up for multi-label classification "
-                         f"(problem_type), which R-Drop's loss here does not cover. {covered}")
-    if getattr(config, "is_encoder_decoder", False):
-        if not callable(getattr(inner, "prepare_decoder_input_ids_from_labels", None)):
-            raise ValueError(f"RDropTrainer: {name} is an encoder-decoder model without a "
-                             f"language-model head (prepare_decoder_input_ids_from_labels). "
-                             f"{covered}")
-        return "seq2seq"
-    if _is(inner, "CAUSAL_LM") or getattr(config, "is_decoder", False):
-        if inner.get_output_embeddings() is None:
-            raise ValueError(f"RDropTrainer: {name} is a decoder without a language-model "
-                             f"head. {covered}")
-        return "causal"
-    for uncovered in ("QUESTION_ANSWERING", "MULTIPLE_CHOICE", "PRETRAINING",
-                      "NEXT_SENTENCE_PREDICTION", ""):
-        if _is(inner, uncovered):
-            what = uncovered.lower().replace("_", " ") or "a model without a head"
-            raise ValueError(f"RDropTrainer does not train {name} ({what}). {covered}")
-    return "encoder"
-
-
 def _is(model, task):
     """Whether ``model``'s class, or one it derives from, is one of transformers' for
     ``task`` (a subclass of GPT2LMHeadModel is a causal LM too)."""
@@ -358,13 +644,27 @@ def _names(task):
     return names
 
 
-def _output_head(model):
-    """The output embedding (the LM head's projection) and the bias the model adds after it
-    (BART's and Marian's ``final_logits_bias``), or None."""
+def _head_module(model):
+    """The output embedding (the language-model head's projection) that the model calls:
+    under PEFT's ``modules_to_save=["lm_head"]``, the active adapter's trainable copy."""
     inner = _unwrap(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    extra = getattr(inner, "final_logits_bias", None)
-    return head, (extra.view(-1) if torch.is_tensor(extra) else None)
+    copies = getattr(head, "modules_to_save", None)
+    if isinstance(copies, torch.nn.ModuleDict):  # peft's ModulesToSaveWrapper
+        active = [name for name in getattr(head, "active_adapters", []) if name in copies]
+        head = (copies[active[0]] if active and not head.disable_adapters
+                else head.original_module)
+    return head
+
+
+def _logits_bias(model, head):
+    """The bias of the logits: the head's, plus the one the model adds after it (BART's and
+    Marian's ``final_logits_bias``), or None."""
+    extra = getattr(_unwrap(model), "final_logits_bias", None)
+    if not torch.is_tensor(extra):
+        return head.bias
+    extra = extra.view(-1).to(head.weight.dtype)
+    return extra if head.bias is None else head.bias + extra
 
 
 def _check_fused_head(model, kind):
@@ -372,7 +672,7 @@ def _check_fused_head(model, kind):
     is computed from the hidden states the output embedding receives, as ``h W^T + b``."""
     inner = _unwrap(model)
     name = type(inner).__name__
-    head, _ = _output_head(model)
+    head = _head_module(model)
     if kind == "encoder" and not _is(inner, "MASKED_LM"):
         raise ValueError(f"rdrop_fused_linear: {name} has no language-model head (it is for "
                          "causal, encoder-decoder and masked LMs); leave it False")
@@ -387,64 +687,94 @@ def _check_fused_head(model, kind):
             raise ValueError(f"rdrop_fused_linear: {name}'s head {what} ({attribute} = "
                              f"{value}) after its linear layer, which the fused path does "
                              "not reproduce; leave it False")
-    _check_head_is_linear(model, kind)
+    _check_head_is_linear(model, head, kind)
 
 
-def _check_head_is_linear(model, kind):
+def _check_head_is_linear(model, head, kind):
     """What no configuration says: the logits of a small batch (dropout off) are the hidden
     states the head receives times its weight, plus its bias."""
-    inner = _unwrap(model)
-    head, extra = _output_head(model)
     device = head.weight.device
     ids = torch.arange(1, 6, device=device).remainder(head.weight.size(0)).view(1, 5)
     inputs = {"input_ids": ids}
     if kind == "seq2seq":
         inputs["decoder_input_ids"] = ids
+    seen = []
+    hook = head.register_forward_hook(lambda module, args, output: seen.append(args[0]))
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             logits = _logits_of(model(**inputs)).float()
-            hidden, weight, bias = _hidden_and_head(model, inputs)
-            fused = F.linear(hidden.float(), weight.float(),
+            bias = _logits_bias(model, head)
+            fused = F.linear(seen[0].float(), head.weight.float(),
                              None if bias is None else bias.float())
     finally:
+        hook.remove()
         model.train(was_training)
+    if len(seen) != 1:
+        raise ValueError(f"rdrop_fused_linear: {type(_unwrap(model)).__name__} called its "
+                         f"output embedding {len(seen)} times in one forward, not once")
     scale = logits.abs().max().clamp_min(1e-6)
     difference = float((logits - fused).abs().max() / scale)
     tolerance = 1e-4 if head.weight.dtype == torch.float32 else 2e-2
     if not difference <= tolerance:
         raise ValueError(
-            f"rdrop_fused_linear: {type(inner).__name__}'s logits are not its output "
+            f"rdrop_fused_linear: {type(_unwrap(model)).__name__}'s logits are not its output "
             f"embedding applied to the hidden states it receives (relative difference "
             f"{difference:.2g}): the head does something the fused path does not reproduce "
             "(a scale or a cap after the projection, say); leave rdrop_fused_linear False")
 
 
-def _hidden_and_head(model, inputs):
-    """One forward of ``inputs`` up to the output embedding: the hidden states it receives
-    (with their graph), its weight, and the bias of the logits (the head's, plus
-    ``final_logits_bias``). The head itself is skipped: it returns a 1-element stand-in,
-    which whatever the model adds to its logits (a bias) broadcasts to a small tensor."""
-    head, extra = _output_head(model)
-    seen = []
+def _forward_through_fused_head(model, inputs, target, *, alpha, smoothing, chunk_mb, impl,
+                                check_labels):
+    """One forward of ``inputs`` in which the output embedding's own call computes R-Drop's
+    loss from the hidden states it receives: its weight is used where the model uses it,
+    whole under FSDP and ZeRO-3 (which gather it for the call), and reached from the
+    outputs for DDP's search for unused parameters, since the head returns the loss as a
+    1-element stand-in for the logits (whatever the model adds to its logits, a bias,
+    broadcasts to a small tensor). Under autocast the products are in autocast's dtype,
+    as the head's own would be. Returns the outputs and the :data:`core.RDropLoss`."""
+    head = _head_module(model)
+    results = []
 
-    def capture(hidden):
-        seen.append(hidden)
-        return hidden.new_zeros((1,) * hidden.dim())
+    def fused(hidden):
+        weight, bias = head.weight, _logits_bias(model, head)
+        dtype = _autocast_dtype(hidden.device.type)
+        if dtype is not None:
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        vocab = weight.size(0)
+        if check_labels:
+            _check_class_indices(target, vocab)
+        _assert_class_indices_async(target, vocab)
+        result = fused_linear_rdrop_loss(
+            hidden, weight, target, bias=bias, alpha=alpha,
+            epsilon=_fairseq_epsilon(smoothing, vocab), ignore_index=IGNORE_INDEX,
+            chunk_mb=chunk_mb, impl=impl)
+        results.append(result)
+        return result.total.view((1,) * hidden.dim())
 
-    head.forward = capture
+    head.forward = fused
     try:
-        model(**inputs)
+        outputs = model(**inputs)
     finally:
         del head.forward
-    if len(seen) != 1:
+    if len(results) != 1:
         raise ValueError(f"rdrop_fused_linear: the model called its output embedding "
-                         f"{len(seen)} times in one forward, not once")
-    bias = head.bias
-    if extra is not None:
-        bias = extra.to(head.weight.dtype) if bias is None else bias + extra
-    return seen[0], head.weight, bias
+                         f"{len(results)} times in one forward, not once")
+    return outputs, results[0]
+
+
+def _autocast_dtype(device_type):
+    """The dtype autocast runs matrix products in on ``device_type``, or None where it is
+    off (the functions taking a device type came with torch 2.4)."""
+    if hasattr(torch, "get_autocast_dtype"):
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
+    if device_type == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
 
 
 def _logits_of(outputs):
@@ -459,8 +789,8 @@ def _logits_of(outputs):
     if not torch.is_tensor(logits):
         keys = ", ".join(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
         raise ValueError(
-            f"RDropTrainer: the model's output has no 'logits' (it has: {keys}); R-Drop "
-            "needs the logits of a classification, token-classification or language-model head")
+            f"the model's output has no 'logits' (it has: {keys}); R-Drop needs the logits "
+            "of a classification, token-classification or language-model head")
     return logits
 
 

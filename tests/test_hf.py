@@ -215,11 +215,11 @@ def test_evaluation_and_prediction_run_one_pass_of_the_batch_as_it_is(tmp_path):
     ids = random_ids(6, 5, seed=3)
     labels = torch.tensor([0, 1, 2, 2, 1, 0])
     data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(6)]
+    trainer = trainer_for(model, tmp_path, per_device_eval_batch_size=4)
     seen = []
     model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append((tuple(kwargs["input_ids"].shape),
                                                   module.training)), with_kwargs=True)
-    trainer = trainer_for(model, tmp_path, per_device_eval_batch_size=4)
     metrics = trainer.evaluate(data)
     assert seen == [((4, 5), False), ((2, 5), False)]  # the batches, not doubled; no dropout
     model.eval()
@@ -333,9 +333,13 @@ def test_uncovered_models_and_bad_options_are_refused_before_anything_is_made(tm
     """A model without a head, a multi-label head, a bad implementation: refused when the
     trainer is made, naming what is covered (the causal and encoder-decoder LMs that are:
     tests/test_hf_lm.py)."""
-    with pytest.raises(ValueError, match="does not train BertModel \\(a model without a head\\)"
-                                         ". Covered: sequence classification"):
+    with pytest.raises(ValueError, match="BertModel is a bare model, without a head, which "
+                                         "R-Drop's loss here does not cover. Covered: sequence "
+                                         "classification"):
         trainer_for(tiny_bert(BertModel), tmp_path)
+    with pytest.raises(ValueError, match="RDropTrainer: the model's output has no 'logits' "
+                                         "\\(it has: last_hidden_state, pooler_output\\)"):
+        trainer_for(tiny_bert(NoLogits), tmp_path)
     multi = tiny_bert(BertForSequenceClassification, num_labels=3,
                       problem_type="multi_label_classification")
     with pytest.raises(ValueError, match="multi-label classification"):
@@ -369,9 +373,6 @@ def labelled(ids, labels):
 
 
 BAD_BATCHES = {
-    "no logits": (lambda: tiny_bert(NoLogits),
-                  lambda ids: labelled(ids, torch.tensor([0, 1, 0, 1])),
-                  "the model's output has no 'logits'"),
     "int labels for regression": (
         lambda: tiny_bert(BertForSequenceClassification, num_labels=1),
         lambda ids: labelled(ids, torch.tensor([1, 3, 0, 2])),

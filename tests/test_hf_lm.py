@@ -116,11 +116,12 @@ def training_args(tmp_path, **overrides):
         "disable_tqdm": True, **overrides})
 
 
-def make(model, tmp_path, alpha=1.0, fused=False, chunk_mb=0.0, **overrides):
+def make(model, tmp_path, alpha=1.0, fused=False, chunk_mb=0.0, kind="auto", **overrides):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the Trainer's own notes about the tiny models
         return RDropTrainer(model=model, args=training_args(tmp_path, **overrides),
-                            rdrop_alpha=alpha, rdrop_fused_linear=fused, rdrop_chunk_mb=chunk_mb)
+                            rdrop_alpha=alpha, rdrop_fused_linear=fused, rdrop_chunk_mb=chunk_mb,
+                            rdrop_model_kind=kind)
 
 
 def doubled_logits(model, inputs):
@@ -266,7 +267,11 @@ def test_a_model_returning_a_tuple_is_read_by_its_first_element(tmp_path):
     torch.manual_seed(0)
     model = TupleLM(tiny("gpt2").config)
     inputs = batch("gpt2")
-    loss, _ = trainer_loss(make(model, tmp_path), model, inputs)
+    # it returns no loss, so its kind cannot be read from it: the user says it
+    with pytest.raises(ValueError, match="TupleLM returned no loss for labels, so how its "
+                                         "logits line up .* pass rdrop_model_kind"):
+        make(model, tmp_path)
+    loss, _ = trainer_loss(make(model, tmp_path, kind="causal"), model, inputs)
     model.train()
     torch.manual_seed(7)
     with torch.no_grad():
@@ -353,6 +358,7 @@ def test_seq2seq_trainer_trains_and_generates_with_one_pass(tmp_path):
         warnings.simplefilter("ignore")
         trainer = RDropSeq2SeqTrainer(model=model, args=args, train_dataset=data,
                                       eval_dataset=data[:4], rdrop_alpha=1.0)
+        seen.clear()  # the probe that read the model's kind
         result = trainer.train()
     assert result.global_step == 10 and math.isfinite(result.training_loss)
     assert seen and all(size == 8 and training for size, training in seen)  # [x; x]
@@ -408,6 +414,7 @@ def test_sft_trainer_with_completion_only_loss(tmp_path):
         warnings.simplefilter("ignore")
         trainer = RDropSFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
                                   processing_class=tokenizer, rdrop_alpha=1.0)
+        seen.clear()  # the probe that read the model's kind
         batches = []
         original = trainer.compute_loss
 
@@ -478,10 +485,13 @@ def test_a_head_the_fused_path_cannot_reproduce_is_refused_when_the_trainer_is_m
     with pytest.raises(ValueError, match=r"soft-caps the logits \(final_logit_softcapping = 30.0\)"):
         make(model, tmp_path, fused=True)
 
-    class ScaledLogits(GPT2LMHeadModel):
-        def forward(self, *args, **kwargs):
-            out = super().forward(*args, **kwargs)
+    class ScaledLogits(GPT2LMHeadModel):  # its own loss is of the scaled logits
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
             out.logits = out.logits * 0.5
+            if labels is not None:
+                out.loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1),
+                                           labels[:, 1:].flatten())
             return out
 
     torch.manual_seed(0)
@@ -489,6 +499,16 @@ def test_a_head_the_fused_path_cannot_reproduce_is_refused_when_the_trainer_is_m
     with pytest.raises(ValueError, match="logits are not its output embedding applied"):
         make(scaled, tmp_path, fused=True)
     make(scaled, tmp_path)  # the logits path takes it
+
+    class ScaledAfterLoss(GPT2LMHeadModel):  # its own loss is of the logits before the scale
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 0.5
+            return out
+
+    with pytest.raises(ValueError, match="ScaledAfterLoss's own loss on a probe batch .* is not "
+                                         "the cross-entropy of its logits read as any kind"):
+        make(ScaledAfterLoss(tiny("gpt2").config), tmp_path)
     assert not (tmp_path / "out").exists() or files_in(tmp_path / "out") == []
 
 
@@ -497,12 +517,13 @@ def test_uncovered_models_and_versions_are_refused_before_anything_is_made(tmp_p
 
     qa = BertForQuestionAnswering(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
                                              num_attention_heads=2, intermediate_size=32))
-    with pytest.raises(ValueError, match="question answering.*Covered: sequence classification"):
+    with pytest.raises(ValueError, match="question-answering head.*Covered: sequence "
+                                         "classification"):
         make(qa, tmp_path)
-    with pytest.raises(ValueError, match="a model without a head"):
+    with pytest.raises(ValueError, match="a bare model, without a head"):
         make(BertModel(qa.config), tmp_path)
-    monkeypatch.setattr(hf.transformers, "__version__", "4.47.1")
-    with pytest.raises(RuntimeError, match="supports transformers >= 4.48.0, < 6; this is 4.47.1"):
+    monkeypatch.setattr(hf.transformers, "__version__", "4.48.3")
+    with pytest.raises(RuntimeError, match="supports transformers >= 4.49.0, < 6; this is 4.48.3"):
         make(tiny("gpt2"), tmp_path)
     monkeypatch.setattr(hf.transformers, "__version__", "6.0.0")
     with pytest.raises(RuntimeError, match="this is 6.0.0"):
