@@ -30,6 +30,7 @@ loss. Needs the ``hf`` extra; importing ``rdrop_fairseq`` alone does not import
 transformers.
 """
 
+import inspect
 import math
 import os
 import warnings
@@ -154,7 +155,9 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     processes; None: this batch's. ``world_size``: the processes whose gradients DDP
     averages when the count is over all of them (the loss is multiplied by it, so that the
     average is the whole batch's gradient). ``impl``, ``fused_linear``, ``chunk_mb``: as
-    :class:`RDropMixin`'s ``rdrop_*`` options. ``check_labels``: check on the host that
+    :class:`RDropMixin`'s ``rdrop_*`` options. ``grad_in_scores``: as
+    :func:`core.rdrop_loss`; by default the logits' buffer may take their gradient, so
+    pass False to read ``outputs.logits`` afterwards. ``check_labels``: check on the host that
     the labels are class indices of the head (it waits for the device: the first batch's);
     later batches are checked on the device without waiting. With every dropout off the
     two passes are the same and the KL is 0."""
@@ -174,8 +177,7 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
         features.setdefault("use_cache", False)  # no key/value cache of the doubled batch
     if kind == "seq2seq" and features.get("decoder_input_ids") is None:
         # what the model does with labels and no decoder inputs: labels shifted right
-        features["decoder_input_ids"] = _unwrap(model).prepare_decoder_input_ids_from_labels(
-            labels=labels)
+        features["decoder_input_ids"] = _decoder_inputs(_unwrap(model), labels)
     doubled = doubled_batch(features, labels.size(0))
     # a causal LM predicts token t+1 at position t: the target of t is labels[t + 1]
     target = _shifted(labels) if kind == "causal" else labels
@@ -405,7 +407,7 @@ def model_kind(model, kind="auto", fused_linear=False):
     """How ``model``'s logits line up with its labels: one of :data:`KINDS`, or a
     ValueError that says why it cannot be trained here.
 
-    ``kind="auto"`` reads it from what the model does: a probe batch of 2 x 8 token ids goes
+    ``kind="auto"`` reads it from what the model does: a probe batch of 12 token ids goes
     through the model (evaluation mode, no gradient) with labels, and its own loss (less a
     mixture of experts' router loss) is compared with the cross-entropy of its logits
     against the labels as they are and shifted by one position; a head with one output per
@@ -429,10 +431,6 @@ def model_kind(model, kind="auto", fused_linear=False):
     elif kind not in KINDS:
         raise ValueError(f"the model kind must be 'auto' or one of {', '.join(KINDS)}, "
                          f"got {kind!r}")
-    if kind == "seq2seq" and not callable(getattr(inner, "prepare_decoder_input_ids_from_labels",
-                                                  None)):
-        raise ValueError(f"{name} is an encoder-decoder model without a language-model head "
-                         f"(prepare_decoder_input_ids_from_labels). {_COVERED}")
     if fused_linear:
         _check_fused_head(model, kind)
     return kind
@@ -444,15 +442,15 @@ _UNCOVERED = {"QUESTION_ANSWERING": "a question-answering head (start and end po
               "MULTIPLE_CHOICE": "a multiple-choice head",
               "NEXT_SENTENCE_PREDICTION": "a next-sentence-prediction head",
               "": "a bare model, without a head"}
-_PROBE = (2, 8)  # examples, tokens
+_PROBE = (1, 12)  # examples (one: a decoder classifier needs a pad token for more), tokens
 
 
 def _probed_kind(model):
     inner = _unwrap(model)
     name = type(inner).__name__
-    embeddings = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
-    vocab = getattr(embeddings, "num_embeddings", None)
-    if not vocab:
+    try:
+        vocab = inner.get_input_embeddings().num_embeddings
+    except Exception:  # none, or not a token embedding (images, audio)
         return _kind_without_tokens(inner)
     is_seq2seq = bool(getattr(inner.config, "is_encoder_decoder", False))
     ids = _probe_tokens(inner, vocab, seed=0)
@@ -460,20 +458,20 @@ def _probed_kind(model):
     model.eval()
     try:
         with torch.no_grad():
-            if is_seq2seq:
-                return _compare_losses(model, ids, ("seq2seq",),
-                                       inner.get_output_embeddings().weight.size(0))
-            logits = _logits_of(_probe_call(model, name, input_ids=ids))
+            extra = {"decoder_input_ids": ids} if is_seq2seq else {}
+            logits = _logits_of(_probe_call(model, name, input_ids=ids, **extra))
             if logits.dim() == 2 and logits.size(0) == _PROBE[0]:
                 return "encoder"  # one output per example: nothing to shift
-            return _compare_losses(model, ids, ("causal", "encoder"), logits.size(-1))
+            kinds = ("seq2seq",) if is_seq2seq else ("causal", "encoder")
+            return _compare_losses(model, ids, kinds, logits.size(-1))
     finally:
         model.train(was_training)
 
 
 def _compare_losses(model, ids, kinds, classes):
     """The kind (of ``kinds``) whose cross-entropy of the logits is the model's own loss on
-    probe batches; probes whose shifted and unshifted losses agree decide nothing."""
+    probe batches; probes whose shifted and unshifted losses agree decide nothing. An
+    encoder-decoder model's logits are those of the decoder inputs R-Drop makes."""
     inner = _unwrap(model)
     name = type(inner).__name__
     half = next(inner.parameters()).dtype in (torch.float16, torch.bfloat16)
@@ -494,6 +492,9 @@ def _compare_losses(model, ids, kinds, classes):
                              "with its labels cannot be read from it: pass rdrop_model_kind "
                              f"({', '.join(KINDS)})")
         own = float(own.double() - _router_loss(model, outputs))
+        if kinds == ("seq2seq",):
+            logits = _logits_of(_probe_call(model, name, input_ids=ids,
+                                            decoder_input_ids=_decoder_inputs(inner, labels)))
         logits = logits.double()
         if logits.shape[:2] != labels.shape:
             raise ValueError(f"{name}'s logits {tuple(logits.shape)} do not match a batch of "
@@ -519,7 +520,33 @@ def _compare_losses(model, ids, kinds, classes):
                      f"the labels: pass rdrop_model_kind ({', '.join(KINDS)})")
 
 
+def _decoder_inputs(inner, labels):
+    """The decoder inputs an encoder-decoder model makes from its labels: its own
+    ``prepare_decoder_input_ids_from_labels``, else the labels shifted right after the
+    decoder's start token, -100 as padding (what transformers' models without that method
+    do)."""
+    prepare = getattr(inner, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    config = inner.config
+    decoder = getattr(config, "decoder", None)
+    start = getattr(config, "decoder_start_token_id", None)
+    pad = getattr(config, "pad_token_id", None)
+    if start is None or pad is None:
+        start = getattr(decoder, "decoder_start_token_id", start)
+        pad = getattr(decoder, "pad_token_id", pad)
+    if start is None or pad is None:
+        raise ValueError(f"{type(inner).__name__} has no decoder_start_token_id and "
+                         "pad_token_id in its configuration, from which the decoder inputs "
+                         "are made: set them")
+    shifted = torch.cat([labels.new_full(labels[:, :1].shape, start), labels[:, :-1]], dim=1)
+    return shifted.masked_fill(shifted.eq(IGNORE_INDEX), pad)
+
+
 def _probe_call(model, name, **inputs):
+    forward = inspect.signature(_unwrap(model).forward).parameters
+    if "use_cache" in forward:  # no key/value cache (hybrid models' caches refuse a probe)
+        inputs["use_cache"] = False
     try:
         return model(**inputs)
     except Exception as error:  # any model's own refusal of a text-only probe batch

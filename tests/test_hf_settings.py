@@ -1,0 +1,247 @@
+"""RDropTrainer where Hugging Face users train: what the model does decides its kind (a
+mixture of experts' router loss included), the settings in which [x; x] or the item count
+would be wrong are refused before anything is made, evaluation reports the model's own
+loss, the logs carry the cross-entropy of one pass and the KL, PEFT's trainable copy of
+the head goes through the fused path, the fused path's products follow autocast, and
+:func:`rdrop_hf_loss` is the trainers' loss for a loop of one's own. Tiny random models
+built from configurations (offline)."""
+
+import math
+import os
+import types
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+transformers = pytest.importorskip("transformers")
+from transformers import (GPT2Config, GPT2LMHeadModel, Trainer,  # noqa: E402
+                          TrainingArguments, XLNetConfig, XLNetLMHeadModel)
+
+from rdrop_fairseq import hf  # noqa: E402
+from rdrop_fairseq.hf import RDropTrainer, rdrop_hf_loss  # noqa: E402
+from tests.test_hf_lm import NoLossKwargsLM, batch, formula, make, tiny  # noqa: E402
+
+V = 50_000
+
+
+def args(tmp_path, **overrides):
+    return TrainingArguments(**{
+        "output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": "none",
+        "per_device_train_batch_size": 3, "max_steps": 1, "save_strategy": "no",
+        "disable_tqdm": True, **overrides})
+
+
+def quiet(factory, *a, **k):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return factory(*a, **k)
+
+
+# ------------------------------------------------------------------ the kind, read
+
+def test_a_masked_lm_that_names_itself_an_lm_head_is_not_shifted(tmp_path):
+    """XLNet's LM head computes its own loss unshifted: read from what it does, it is an
+    "encoder" (labels as they are), and at alpha 0 with dropout off R-Drop's loss is twice
+    the model's own; GPT-2 shifts."""
+    torch.manual_seed(0)
+    xlnet = XLNetLMHeadModel(XLNetConfig(vocab_size=99, d_model=16, n_layer=1, n_head=2,
+                                         d_inner=32, dropout=0.0))
+    assert hf.model_kind(xlnet) == "encoder"
+    assert hf.model_kind(tiny("gpt2")) == "causal"
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 99, (2, 7), generator=g)
+    labels = torch.randint(0, 99, (2, 7), generator=g)
+    labels[0, :2] = -100
+    xlnet.eval()
+    with torch.no_grad():
+        own = xlnet(input_ids=ids, labels=labels).loss
+        ours = rdrop_hf_loss(xlnet, {"input_ids": ids, "labels": labels}, kind="encoder",
+                             alpha=0.0).loss
+    assert float(ours) == pytest.approx(2 * float(own), rel=1e-6)
+
+
+def test_the_mixture_of_experts_router_loss_is_in_each_pass():
+    """Mixtral with output_router_logits and coefficient 0.5: at alpha 0 and dropout off,
+    R-Drop's loss is twice the model's own, router term included (which is not small)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(
+        vocab_size=99, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5))
+    assert hf.model_kind(model) == "causal"
+    inputs = {"input_ids": torch.randint(0, 99, (2, 9), generator=torch.Generator()
+                                         .manual_seed(1))}
+    inputs["labels"] = inputs["input_ids"].clone()
+    model.eval()
+    with torch.no_grad():
+        out = model(**inputs)
+        plain = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), inputs["labels"][:, 1:]
+                                .flatten())
+        ours = rdrop_hf_loss(model, inputs, kind="causal", alpha=0.0).loss
+    assert float(out.loss - plain) > 0.5  # 0.5 x the load-balancing loss (about 2)
+    assert float(ours) == pytest.approx(2 * float(out.loss), rel=1e-6)
+
+
+def test_a_model_that_says_its_kind_is_not_probed(tmp_path):
+    """rdrop_model_kind names the kind; an unknown one is refused before anything is made."""
+    model = tiny("gpt2")
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    trainer = make(model, tmp_path, kind="causal")
+    assert trainer._rdrop_kind == "causal" and calls == []
+    with pytest.raises(ValueError, match="rdrop_model_kind must be 'auto' or one of causal, "
+                                         "seq2seq, encoder, got 'decoder'"):
+        make(model, tmp_path / "bad", kind="decoder")
+    assert not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------ settings refused early
+
+def test_data_parallel_in_one_process_is_refused_saying_how_to_launch(tmp_path, monkeypatch):
+    """Several GPUs visible to one process: the Trainer would wrap the model in
+    nn.DataParallel, which splits [x; x] into its copies with the same dropout masks."""
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(ValueError, match="2 GPUs are visible to one process.*nn.DataParallel"
+                                         ".*torchrun --nproc_per_node N"):
+        make(tiny("gpt2"), tmp_path)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("field", ["tp_size", "cp_size", "sp_size"])
+def test_tensor_context_and_sequence_parallelism_are_refused(field):
+    config = types.SimpleNamespace(tp_size=None, cp_size=None, sp_size=None)
+    setattr(config, field, 2)
+    training = types.SimpleNamespace(n_gpu=1, parallelism_config=config)
+    with pytest.raises(ValueError, match=f"parallelism \\({field} 2\\) are not supported"):
+        hf._check_parallelism("RDropTrainer", training)
+    hf._check_parallelism("RDropTrainer", types.SimpleNamespace(
+        n_gpu=1, parallelism_config=types.SimpleNamespace(tp_size=1, cp_size=None, sp_size=1)))
+
+
+def test_trl_loss_types_other_than_nll_are_refused(tmp_path):
+    trl = pytest.importorskip("trl")
+
+    class RDropSFTTrainer(hf.RDropMixin, trl.SFTTrainer):
+        pass
+
+    config = quiet(trl.SFTConfig, output_dir=str(tmp_path / "out"), use_cpu=True,
+                   report_to="none", loss_type="dft")
+    with pytest.raises(ValueError, match="TRL's loss_type 'dft' is not R-Drop's cross-entropy"
+                                         ".*set loss_type='nll'"):
+        RDropSFTTrainer(model=tiny("gpt2"), args=config)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------- evaluation and logs
+
+def test_evaluation_of_a_model_without_loss_arguments_is_the_plain_trainers(tmp_path):
+    """The item count the training loop passes is not passed to a forward that takes no
+    loss arguments in evaluation (a TypeError before), and eval_loss is the plain
+    Trainer's: the model's own mean loss."""
+    torch.manual_seed(0)
+    model = NoLossKwargsLM(GPT2Config(vocab_size=99, n_embd=16, n_layer=1, n_head=2,
+                                      n_positions=32))
+    g = torch.Generator().manual_seed(2)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 99, (5, 6),
+                                                                        generator=g)]
+    ours = make(model, tmp_path, per_device_eval_batch_size=2).evaluate(data)["eval_loss"]
+    plain = quiet(Trainer, model=model, args=args(tmp_path, per_device_eval_batch_size=2))
+    assert ours == pytest.approx(plain.evaluate(data)["eval_loss"], rel=1e-6)
+
+
+def test_the_log_has_one_passs_cross_entropy_and_the_kl(tmp_path):
+    """logging_steps 1: each training log has rdrop_ce and rdrop_kl, and its loss is
+    2 rdrop_ce + alpha rdrop_kl (per labelled token, label smoothing off); the KL is > 0
+    (dropout 0.2). rdrop_ce is the cross-entropy of the logits, computed here."""
+    model = tiny("gpt2")
+    data = [{k: v[i] for k, v in batch("gpt2", seed).items()} for seed in (1, 2)
+            for i in range(3)]
+    trainer = make(model, tmp_path, alpha=2.0, max_steps=2, logging_steps=1,
+                   learning_rate=0.0)
+    trainer.train_dataset = data
+    quiet(trainer.train)
+    logs = [entry for entry in trainer.state.log_history if "rdrop_ce" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        assert entry["rdrop_kl"] > 0
+        assert entry["loss"] == pytest.approx(2 * entry["rdrop_ce"] + 2.0 * entry["rdrop_kl"],
+                                              abs=2e-3)
+        assert 10.0 < entry["rdrop_ce"] < 11.5  # about log(50,000) = 10.8 for random weights
+
+
+# --------------------------------------------------------------- the fused head
+
+def test_peft_modules_to_save_head_goes_through_the_fused_path(tmp_path):
+    """LoRA with modules_to_save=["lm_head"]: the trainable copy is the head the fused path
+    uses, and its loss and gradients are the logits path's."""
+    peft = pytest.importorskip("peft")
+    results = {}
+    for fused in (False, True):
+        model = tiny("llama")
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
+            modules_to_save=["lm_head"]))
+        trainer = make(model, tmp_path, fused=fused)
+        model.train()
+        torch.manual_seed(7)
+        loss = trainer.compute_loss(model, batch("llama"))
+        loss.backward()
+        results[fused] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                          if p.grad is not None})
+    (loss0, grads0), (loss1, grads1) = results[False], results[True]
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    copy = [n for n in grads0 if "modules_to_save" in n and "lm_head" in n]
+    assert copy and grads0.keys() == grads1.keys()
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-4, atol=1e-7)
+
+
+def test_the_fused_paths_products_follow_bf16_autocast(tmp_path):
+    """Under bf16 autocast (CPU) the fused path multiplies in bf16 as the head would: its
+    loss is the logits path's under autocast within bf16's precision, not float32's."""
+    model = tiny("llama", dropout=0.0)
+    inputs = batch("llama")
+
+    def loss(fused, autocast):
+        trainer = make(model, tmp_path, fused=fused, alpha=1.0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.no_grad():
+            return float(trainer.compute_loss(model.train(), dict(inputs)))
+
+    float32, fused_bf16, logits_bf16 = loss(True, False), loss(True, True), loss(False, True)
+    assert fused_bf16 != float32
+    assert fused_bf16 == pytest.approx(logits_bf16, rel=1e-2)
+    assert abs(fused_bf16 - float32) > 1e-6 * float32
+
+
+# ------------------------------------------------------------ a loop of one's own
+
+def test_rdrop_hf_loss_in_a_plain_loop_is_the_trainers_loss(tmp_path):
+    """The documented loop (model_kind once, rdrop_hf_loss per batch) gives the trainer's
+    loss and gradient, and the formula's, on a causal LM with dropout."""
+    model = tiny("gpt2")
+    inputs = batch("gpt2")
+    kind = hf.model_kind(model)
+    trainer = make(model, tmp_path, alpha=1.5)  # (the Trainer seeds torch when it is made)
+    model.train()
+    torch.manual_seed(7)
+    out = rdrop_hf_loss(model, inputs, kind=kind, alpha=1.5, grad_in_scores=False)
+    logits = out.outputs.logits.detach()  # (read: their buffer must not take the gradient)
+    out.loss.backward()
+    mine = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    torch.manual_seed(7)
+    trainer_loss = trainer.compute_loss(model, dict(inputs))
+    trainer_loss.backward()
+    assert float(out.loss) == float(trainer_loss)
+    for name, grad in mine.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad)
+    want = formula(logits[:, :-1], inputs["labels"][:, 1:], 1.5)
+    assert float(out.loss) == pytest.approx(float(want), rel=1e-5)
+    assert int(out.items) == int(inputs["labels"][:, 1:].ne(-100).sum())
+    assert math.isfinite(float(out.kl)) and float(out.kl) > 0
