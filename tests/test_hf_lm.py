@@ -370,14 +370,19 @@ def test_seq2seq_trainer_trains_and_generates_with_one_pass(tmp_path):
     assert predictions.shape[0] == 4
 
 
-def test_sft_trainer_with_completion_only_loss(tmp_path):
-    """TRL's SFTTrainer with RDropMixin first, on prompt/completion data: 10 steps, the
-    prompt tokens labelled -100 by TRL's collator, R-Drop's loss on the completion."""
+def imported_trl():
     try:
         import trl
         trl.SFTTrainer  # imported lazily
     except Exception as error:  # trl 1.16 needs transformers >= 4.56.2: not the floor's
         pytest.skip(f"trl does not import with transformers {transformers.__version__}: {error}")
+    return trl
+
+
+def test_sft_trainer_with_completion_only_loss(tmp_path):
+    """TRL's SFTTrainer with RDropMixin first, on prompt/completion data: 10 steps, the
+    prompt tokens labelled -100 by TRL's collator, R-Drop's loss on the completion."""
+    trl = imported_trl()
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -489,8 +494,8 @@ def test_a_head_the_fused_path_cannot_reproduce_is_refused_when_the_trainer_is_m
         def forward(self, input_ids=None, labels=None, **kwargs):
             out = super().forward(input_ids=input_ids, **kwargs)
             out.logits = out.logits * 0.5
-            if labels is not None:
-                out.loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1),
+            if labels is not None:  # (an item: older ModelOutputs drop a new attribute)
+                out["loss"] = F.cross_entropy(out.logits[:, :-1].flatten(0, 1),
                                            labels[:, 1:].flatten())
             return out
 

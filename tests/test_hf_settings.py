@@ -23,7 +23,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, Trainer,  # noqa: E402
 
 from rdrop_fairseq import hf  # noqa: E402
 from rdrop_fairseq.hf import RDropTrainer, rdrop_hf_loss  # noqa: E402
-from tests.test_hf_lm import NoLossKwargsLM, batch, formula, make, tiny  # noqa: E402
+from tests.test_hf_lm import NoLossKwargsLM, batch, formula, imported_trl, make, tiny  # noqa: E402
 
 V = 50_000
 
@@ -125,7 +125,7 @@ def test_tensor_context_and_sequence_parallelism_are_refused(field):
 
 
 def test_trl_loss_types_other_than_nll_are_refused(tmp_path):
-    trl = pytest.importorskip("trl")
+    trl = imported_trl()
 
     class RDropSFTTrainer(hf.RDropMixin, trl.SFTTrainer):
         pass
@@ -180,7 +180,8 @@ def test_the_log_has_one_passs_cross_entropy_and_the_kl(tmp_path):
 def test_peft_modules_to_save_head_goes_through_the_fused_path(tmp_path):
     """LoRA with modules_to_save=["lm_head"]: the trainable copy is the head the fused path
     uses, and its loss and gradients are the logits path's."""
-    peft = pytest.importorskip("peft")
+    import peft
+
     results = {}
     for fused in (False, True):
         model = tiny("llama")
