@@ -1,0 +1,103 @@
+"""The processes of tests/test_hf_ddp.py: one RDropTrainer step on 4 examples per case, with
+the Trainer's defaults for DDP, after which rank 0 writes the gradient the optimizer would
+apply (unclipped) and the eval_loss of the same 4 examples. Under torchrun (gloo, CPU)
+each of 2 ranks takes 2 examples; alone (no torchrun) one process takes all 4. Arguments:
+output folder, then cases (CASES); "unscaled" runs the mutation that must fail. Evaluation
+takes batches of 2 either way: the Trainer averages the batches' mean losses, so one
+process sees the batches the ranks see."""
+
+import os
+import sys
+import warnings
+
+import torch
+from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
+                          GPT2LMHeadModel, MarianConfig, MarianMTModel, TrainerCallback,
+                          TrainingArguments)
+
+from rdrop_fairseq import hf
+
+
+def causal():
+    return GPT2LMHeadModel(GPT2Config(vocab_size=99, n_embd=16, n_layer=1, n_head=2,
+                                      n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0))
+
+
+def seq2seq():
+    return MarianMTModel(MarianConfig(
+        vocab_size=99, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_position_embeddings=32, pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0, dropout=0.0, attention_dropout=0.0))
+
+
+def classifier():
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=99, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0))
+
+
+def examples(kind):
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 99, (4, 6), generator=g)
+    if kind == "classifier":
+        return [{"input_ids": ids[i], "labels": torch.tensor(i % 3)} for i in range(4)]
+    labels = ids.clone() if kind == "causal" else torch.randint(3, 99, (4, 5), generator=g)
+    labels[2:, 3:] = -100  # two of the examples hold fewer labelled tokens
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(4)]
+
+
+# case: (model, fused path, gradient accumulation steps)
+CASES = {"causal": (causal, False, 1), "causal-fused": (causal, True, 1),
+         "causal-accumulated": (causal, False, 2), "seq2seq-fused": (seq2seq, True, 1),
+         "classifier": (classifier, False, 1), "unscaled": (causal, False, 1)}
+
+
+class SaveGradient(TrainerCallback):
+    def __init__(self, out):
+        self.out = out
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if args.process_index == 0:
+            torch.save({n: p.grad.clone() for n, p in model.named_parameters()
+                        if p.grad is not None}, self.out)
+
+
+class Unscaled(hf.RDropTrainer):
+    """The mutation: the loss without its world-size scale."""
+
+    def compute_loss(self, model, *a, **k):
+        loss = super().compute_loss(model, *a, **k)
+        return loss / self.args.world_size if model.training else loss
+
+
+def run(folder, case):
+    make, fused, accumulation = CASES[case]
+    processes = int(os.environ.get("WORLD_SIZE", 1))
+    args = TrainingArguments(
+        output_dir=os.path.join(folder, case), use_cpu=True, report_to="none",
+        per_device_train_batch_size=4 // processes // accumulation,
+        gradient_accumulation_steps=accumulation, per_device_eval_batch_size=2,
+        max_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=0.0,
+        max_grad_norm=0.0,  # unclipped: clipping would hide a scale
+        ddp_backend="gloo" if processes > 1 else None)
+    torch.manual_seed(0)
+    model = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = (Unscaled if case == "unscaled" else hf.RDropTrainer)(
+            model=model, args=args, train_dataset=examples(make.__name__),
+            rdrop_alpha=1.0, rdrop_fused_linear=fused,
+            callbacks=[SaveGradient(os.path.join(folder, f"{case}.pt"))])
+        trainer.train()
+        loss = trainer.evaluate(examples(make.__name__))["eval_loss"]
+    if args.process_index == 0:
+        with open(os.path.join(folder, f"{case}.eval"), "w") as f:
+            f.write(repr(loss))
+
+
+if __name__ == "__main__":
+    for name in sys.argv[2:]:
+        run(sys.argv[1], name)

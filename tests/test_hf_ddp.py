@@ -1,0 +1,60 @@
+"""RDropTrainer under DDP as users run it: torchrun, 2 CPU processes (gloo), the Trainer's
+defaults (find_unused_parameters on, average_tokens_across_devices as the version sets it),
+one step of 4 examples. The gradient it applies must be the one a single process computes
+on all 4, and its eval_loss one process's: causal LM through the logits and through the
+fused head (whose weight DDP's reducer must see used in the forward), with gradient
+accumulation, an encoder-decoder model through the fused head, and a classifier. Two of
+the examples hold fewer labelled tokens, so a per-rank count fails, and the loss without
+its world-size scale (a mutation, run here) must give another gradient."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from tests.hf_ddp_worker import CASES, run  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ddp")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", "tests/hf_ddp_worker.py", str(folder), *CASES], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return folder
+
+
+def results(folder, case):
+    return torch.load(folder / f"{case}.pt"), float((folder / f"{case}.eval").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES if c != "unscaled"])
+def test_two_processes_apply_the_gradient_of_the_whole_batch(tmp_path, two_processes, case):
+    run(str(tmp_path), case)
+    want, want_eval = results(tmp_path, case)
+    got, got_eval = results(two_processes, case)
+    assert got.keys() == want.keys() and len(want) > 3
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert got_eval == pytest.approx(want_eval, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_loss_without_its_world_size_scale_gives_another_gradient(tmp_path, two_processes):
+    run(str(tmp_path), "causal")
+    want, _ = results(tmp_path, "causal")
+    mutant, _ = results(two_processes, "unscaled")
+    torch.testing.assert_close(mutant["transformer.wte.weight"] * 2, want["transformer.wte.weight"],
+                               rtol=1e-5, atol=1e-7)  # half: DDP's average of unscaled losses
