@@ -246,3 +246,60 @@ def test_rdrop_hf_loss_in_a_plain_loop_is_the_trainers_loss(tmp_path):
     assert float(out.loss) == pytest.approx(float(want), rel=1e-5)
     assert int(out.items) == int(inputs["labels"][:, 1:].ne(-100).sum())
     assert math.isfinite(float(out.kl)) and float(out.kl) > 0
+
+
+# ------------------------------------------------------------- vision-language batches
+
+def tiny_llava():
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, \
+        LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    return LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32,
+                                       num_hidden_layers=1, num_attention_heads=2,
+                                       image_size=8, patch_size=4, projection_dim=16),
+        text_config=LlamaConfig(vocab_size=99, hidden_size=16, intermediate_size=32,
+                                num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=1, pad_token_id=0),
+        image_token_index=98, vision_feature_layer=-1))
+
+
+def test_image_batches_are_doubled_in_their_order_of_appearance():
+    """LLaVA: 3 images for 2 examples (2 in the first, 4 image tokens each), so the images
+    are not a batch dimension; repeated in their order they meet [x; x]'s image tokens,
+    and at alpha 0 (evaluation mode: no dropout) R-Drop's loss is twice the model's own.
+    The images differ: the wrong order would change the loss."""
+    model = tiny_llava().eval()
+    assert hf.model_kind(model) == "causal"
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 90, (2, 14), generator=g)
+    ids[0, 1:9] = 98  # two images
+    ids[1, 2:6] = 98  # one image
+    pixels = torch.randn(3, 3, 8, 8, generator=g)
+    labels = torch.where(ids.eq(98), -100, ids)
+    inputs = {"input_ids": ids, "pixel_values": pixels, "labels": labels}
+    with torch.no_grad():
+        own = model(**inputs).loss
+        ours = rdrop_hf_loss(model, inputs, kind="causal", alpha=0.0).loss
+        swapped = rdrop_hf_loss(model, {**inputs, "pixel_values": pixels.flip(0)},
+                                kind="causal", alpha=0.0).loss
+    assert float(ours) == pytest.approx(2 * float(own), rel=1e-6)
+    assert abs(float(swapped) - float(ours)) > 1e-4
+
+
+def test_multimodal_position_ids_are_doubled_along_their_batch_dimension():
+    """Qwen-VL's (3, B, L) rotary positions: [x; x] along dim 1; flattened patches and
+    their grids repeated in order; any other entry whose dim 0 is not the batch refused."""
+    positions = torch.arange(3 * 2 * 5).view(3, 2, 5)
+    patches, grid = torch.randn(7, 4), torch.tensor([[1, 1, 7]])
+    out = hf.doubled_batch({"input_ids": torch.ones(2, 5, dtype=torch.long),
+                            "position_ids": positions, "pixel_values": patches,
+                            "image_grid_thw": grid}, 2)
+    assert torch.equal(out["position_ids"], torch.cat([positions, positions], dim=1))
+    assert torch.equal(out["pixel_values"], torch.cat([patches, patches]))
+    assert torch.equal(out["image_grid_thw"], torch.cat([grid, grid]))
+    with pytest.raises(hf.RDropBatchError, match="cannot duplicate inputs\\['cache_position'\\]"):
+        hf.doubled_batch({"input_ids": torch.ones(2, 5), "cache_position": torch.arange(5)}, 2)
+    with pytest.raises(hf.RDropBatchError, match="position_ids'\\] of shape \\(3, 4, 5\\)"):
+        hf.doubled_batch({"position_ids": torch.zeros(3, 4, 5)}, 2)
