@@ -58,3 +58,29 @@ def test_the_loss_without_its_world_size_scale_gives_another_gradient(tmp_path, 
     mutant, _ = results(two_processes, "unscaled")
     torch.testing.assert_close(mutant["transformer.wte.weight"] * 2, want["transformer.wte.weight"],
                                rtol=1e-5, atol=1e-7)  # half: DDP's average of unscaled losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path,checkpointing", [("fused", False), ("fused", True),
+                                                 ("logits", True)])
+def test_fsdp2_sharded_model_gives_the_gradient_of_the_whole_batch(tmp_path, path,
+                                                                  checkpointing):
+    """FSDP2 (fully_shard) on 2 CPU processes, through rdrop_hf_loss as a loop of one's own
+    would call it: the fused path computes its loss inside the head's call, where FSDP has
+    gathered the weight (a DTensor shard outside); the gradient is one process's on all."""
+    from tests.hf_fsdp_worker import gradients
+
+    want, _ = gradients(path == "fused", checkpointing)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", "tests/hf_fsdp_worker.py", str(tmp_path / "fsdp.pt"), path,
+         *(["checkpointing"] if checkpointing else [])], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = torch.load(tmp_path / "fsdp.pt")
+    assert got["sharded"]  # the head's weight was a shard outside the forward
+    assert got["grads"].keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got["grads"][name], want[name], rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, name=name: f"{name}: {m}")
