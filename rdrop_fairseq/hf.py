@@ -118,13 +118,14 @@ def warmup_arguments(fraction):
 
 # ------------------------------------------------------------------------------ the loss
 
-RDropHFLoss = namedtuple("RDropHFLoss", "loss outputs nll kl items")
+RDropHFLoss = namedtuple("RDropHFLoss", "loss outputs nll kl items correct")
 RDropHFLoss.__doc__ = """Result of :func:`rdrop_hf_loss`. ``loss``: what to call
 ``backward()`` on; ``outputs``: the model's output for ``[x; x]`` (its ``logits`` a stand-in
 on the fused path); for logging, detached and not synchronised: ``nll``, the plain
 cross-entropy of both passes summed over the labelled items (the squared errors for
 regression), ``kl``, the symmetric KL summed over them (regression: the squared difference),
-and ``items``, the labelled items of one pass in this batch."""
+``items``, the labelled items of one pass in this batch, and ``correct``, the labelled
+items of both passes whose highest logit is the label (with ``accuracy=True``, else None)."""
 
 
 def labelled_items(labels, causal=False):
@@ -140,7 +141,7 @@ def labelled_items(labels, causal=False):
 
 def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
                   num_items_in_batch=None, world_size=1, impl="auto", fused_linear=False,
-                  chunk_mb=0.0, grad_in_scores="auto", check_labels=False):
+                  chunk_mb=0.0, grad_in_scores="auto", check_labels=False, accuracy=False):
     """R-Drop's training loss of one batch of a Hugging Face model (the trainers' own code),
     for a loop of your own::
 
@@ -159,8 +160,9 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     :func:`core.rdrop_loss`; by default the logits' buffer may take their gradient, so
     pass False to read ``outputs.logits`` afterwards. ``check_labels``: check on the host that
     the labels are class indices of the head (it waits for the device: the first batch's);
-    later batches are checked on the device without waiting. With every dropout off the
-    two passes are the same and the KL is 0."""
+    later batches are checked on the device without waiting. ``accuracy``: also count the
+    labelled items whose highest logit is the label (``correct``; one more read of the
+    logits). With every dropout off the two passes are the same and the KL is 0."""
     labels = inputs.get("labels")
     if not torch.is_tensor(labels):
         raise RDropBatchError(
@@ -181,11 +183,16 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     doubled = doubled_batch(features, labels.size(0))
     # a causal LM predicts token t+1 at position t: the target of t is labels[t + 1]
     target = _shifted(labels) if kind == "causal" else labels
+    correct = None
     if fused_linear:
+        predictions = (torch.empty((2, target.numel()), dtype=torch.long, device=target.device)
+                       if accuracy else None)
         outputs, result = _forward_through_fused_head(
             model, doubled, target, alpha=alpha, smoothing=label_smoothing,
-            chunk_mb=chunk_mb, impl=impl, check_labels=check_labels)
+            chunk_mb=chunk_mb, impl=impl, check_labels=check_labels, predictions=predictions)
         total, nll, kl = result.total, result.nll, result.kl
+        if accuracy:
+            correct = _correct(predictions, target)
     else:
         outputs = model(**doubled)
         logits = _logits_of(outputs)
@@ -202,6 +209,8 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
         else:
             vocab = logits.size(-1)
             _assert_class_indices_async(target, vocab)
+            if accuracy:  # before the loss: the logits' buffer may then take their gradient
+                correct = _correct(logits.detach().argmax(-1).view(2, -1), target)
             # the logits' own buffer may take their gradient, unless the caller reads them
             result = rdrop_loss(logits, target, alpha=alpha,
                                 epsilon=_fairseq_epsilon(label_smoothing, vocab),
@@ -214,7 +223,14 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     loss = loss + 2 * _router_loss(model, outputs)  # each pass's, as its own loss adds it
     if world_size != 1:
         loss = loss * world_size
-    return RDropHFLoss(loss, outputs, nll, kl, items)
+    return RDropHFLoss(loss, outputs, nll, kl, items, correct)
+
+
+def _correct(predictions, target):
+    """Labelled items of both passes (``predictions``: ``(2, n)`` argmaxes) whose prediction
+    is the target."""
+    target = target.reshape(1, -1)
+    return (predictions.eq(target) & target.ne(IGNORE_INDEX)).sum()
 
 
 def doubled_batch(features, batch):
@@ -297,7 +313,10 @@ class RDropMixin:
             raise ValueError(f"{type(self).__name__} reads the labels from inputs['labels'], and "
                              f"this model or TrainingArguments.label_names names {self.label_names}")
         self._first_batch_checked = False
-        self._rdrop_sums = None  # nll, kl, items since the last log (on the device)
+        self._rdrop_sums = None  # nll, kl, items, correct, tokens since the last log (device)
+        # TRL's trainers log their training metrics from _metrics: token accuracy and the
+        # tokens seen are given to them (not the entropy: one more pass over the logits)
+        self._rdrop_trl_metrics = isinstance(getattr(self, "_metrics", None), Mapping)
 
     def call_model_init(self, trial=None):
         """A model built by ``model_init`` gets the checks a ``model`` gets."""
@@ -345,15 +364,20 @@ class RDropMixin:
             label_smoothing=self._rdrop_smoothing, num_items_in_batch=num_items_in_batch,
             world_size=world_size, impl=self.rdrop_impl, fused_linear=self.rdrop_fused_linear,
             chunk_mb=self.rdrop_chunk_mb, grad_in_scores=False if return_outputs else "auto",
-            check_labels=not self._first_batch_checked)
+            check_labels=not self._first_batch_checked, accuracy=self._rdrop_trl_metrics)
         self._first_batch_checked = True
-        self._rdrop_add_to_log(result)
+        self._rdrop_add_to_log(result, inputs)
         return (result.loss, result.outputs) if return_outputs else result.loss
 
-    def _rdrop_add_to_log(self, result):
+    def _rdrop_add_to_log(self, result, inputs):
         """Sums for the next log, kept on the device (no synchronisation per step)."""
-        step = torch.stack([result.nll.detach().float(), result.kl.detach().float(),
-                            result.items.float().to(result.nll.device)])
+        device = result.nll.device
+        mask = inputs.get("attention_mask")
+        tokens = mask.sum() if torch.is_tensor(mask) else inputs["labels"].numel()
+        correct = 0 if result.correct is None else result.correct
+        step = torch.stack([torch.as_tensor(value, device=device).float() for value in
+                            (result.nll.detach(), result.kl.detach(), result.items, correct,
+                             tokens)])
         self._rdrop_sums = step if self._rdrop_sums is None else self._rdrop_sums + step
 
     def log(self, logs, *args, **kwargs):
@@ -364,10 +388,14 @@ class RDropMixin:
             sums = self._rdrop_sums
             if self.args.world_size > 1:
                 sums = self.accelerator.reduce(sums, reduction="sum")
-            nll, kl, items = sums.tolist()
+            nll, kl, items, correct, tokens = sums.tolist()
             logs = {**logs, "rdrop_ce": round(nll / 2 / max(items, 1), 4),
                     "rdrop_kl": round(kl / max(items, 1), 4)}
             self._rdrop_sums = None
+            if self._rdrop_trl_metrics:  # what TRL's own loss would have logged
+                self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(tokens)
+                self._metrics["train"]["mean_token_accuracy"].append(correct / 2 / max(items, 1))
+                self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return super().log(logs, *args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device=None):
@@ -753,7 +781,7 @@ def _check_head_is_linear(model, head, kind):
 
 
 def _forward_through_fused_head(model, inputs, target, *, alpha, smoothing, chunk_mb, impl,
-                                check_labels):
+                                check_labels, predictions=None):
     """One forward of ``inputs`` in which the output embedding's own call computes R-Drop's
     loss from the hidden states it receives: its weight is used where the model uses it,
     whole under FSDP and ZeRO-3 (which gather it for the call), and reached from the
@@ -777,7 +805,7 @@ def _forward_through_fused_head(model, inputs, target, *, alpha, smoothing, chun
         result = fused_linear_rdrop_loss(
             hidden, weight, target, bias=bias, alpha=alpha,
             epsilon=_fairseq_epsilon(smoothing, vocab), ignore_index=IGNORE_INDEX,
-            chunk_mb=chunk_mb, impl=impl)
+            chunk_mb=chunk_mb, impl=impl, predictions=predictions)
         results.append(result)
         return result.total.view((1,) * hidden.dim())
 

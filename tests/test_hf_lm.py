@@ -431,6 +431,9 @@ def test_sft_trainer_with_completion_only_loss(tmp_path):
         result = trainer.train()
     assert result.global_step == 10 and math.isfinite(result.training_loss)
     assert all(labels is None for labels in seen)  # the loss is ours, not the model's
+    logged = [e for e in trainer.state.log_history if "rdrop_ce" in e]
+    assert logged and all(0 <= e["mean_token_accuracy"] <= 1 and e["num_tokens"] > 0
+                          and "entropy" not in e for e in logged)
     first = batches[0]
     assert (first[:, :4] == -100).all() and (first != -100).any()  # the prompt is masked
 

@@ -303,3 +303,23 @@ def test_multimodal_position_ids_are_doubled_along_their_batch_dimension():
         hf.doubled_batch({"input_ids": torch.ones(2, 5), "cache_position": torch.arange(5)}, 2)
     with pytest.raises(hf.RDropBatchError, match="position_ids'\\] of shape \\(3, 4, 5\\)"):
         hf.doubled_batch({"position_ids": torch.zeros(3, 4, 5)}, 2)
+
+
+def test_token_accuracy_counts_both_passes_highest_logits():
+    """accuracy=True (what TRL's mean_token_accuracy is made from): the labelled positions of
+    both passes whose highest logit is the target, the same through the fused head."""
+    model = tiny("gpt2", dropout=0.0)
+    inputs = batch("gpt2")
+    with torch.no_grad():  # some labels made what the model predicts, so that some count
+        guess = model(input_ids=inputs["input_ids"]).logits.argmax(-1)
+    inputs["labels"][:, 3:5] = guess[:, 2:4]
+    model.train()
+    torch.manual_seed(7)
+    out = rdrop_hf_loss(model, inputs, kind="causal", accuracy=True, grad_in_scores=False)
+    target = inputs["labels"][:, 1:]
+    argmax = out.outputs.logits[:, :-1].argmax(-1).view(2, *target.shape)
+    want = int(((argmax == target) & target.ne(-100)).sum())
+    assert int(out.correct) == want and want > 0
+    torch.manual_seed(7)
+    fused = rdrop_hf_loss(model, inputs, kind="causal", accuracy=True, fused_linear=True)
+    assert int(fused.correct) == want
