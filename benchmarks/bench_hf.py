@@ -29,6 +29,11 @@ processes' medians; the ratio is rdrop / floor.
     python benchmarks/bench_hf.py --heads classification masked-lm   # batch 4 x 128 tokens
     python benchmarks/bench_hf.py --heads causal-lm seq2seq --batch 2 --length 512
     python benchmarks/bench_hf.py --heads masked-lm --rounds 5 --steps 5 --json out.json
+    python benchmarks/bench_hf.py --heads causal-lm --bf16   # TrainingArguments(bf16=True)
+
+With ``--bf16`` every method runs under bf16 autocast (float32 weights), as
+``TrainingArguments(bf16=True)`` trains: the fused path's products then run in bf16, as the
+head's own would.
 """
 
 import argparse
@@ -100,7 +105,7 @@ def build(head, batch, length, shape=None, seed=0):
     return model, inputs
 
 
-def make_step(method, model, inputs, work):
+def make_step(method, model, inputs, work, bf16=False):
     """A function running one training step of ``method`` (gradients reset first)."""
     import torch
     from transformers import Trainer, TrainingArguments
@@ -108,7 +113,7 @@ def make_step(method, model, inputs, work):
     from rdrop_fairseq.hf import RDropTrainer, labelled_items
 
     args = TrainingArguments(output_dir=str(work), use_cpu=True, report_to="none",
-                             disable_tqdm=True)
+                             disable_tqdm=True, bf16=bf16)
     if method == "floor":
         trainer = Trainer(model=model, args=args)
         batch = {key: torch.cat([value, value]) for key, value in inputs.items()}
@@ -120,21 +125,25 @@ def make_step(method, model, inputs, work):
     # as train() passes it: the floor's model takes it
     items = labelled_items(batch["labels"], causal=model.config.model_type == "llama")
 
+    device = next(model.parameters()).device.type
+
     def step():
         model.zero_grad(set_to_none=True)
-        trainer.training_step(model, dict(batch), items)
+        # the autocast train() gets from accelerate's prepared model (not made here)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+            trainer.training_step(model, dict(batch), items)
 
     return step
 
 
-def measure(method, head, batch, length, steps, shape=None):
+def measure(method, head, batch, length, steps, shape=None, bf16=False):
     """One process's measurement: the median of ``steps`` timed steps after a warm-up, and
     the peak of the live tensor bytes of one more step."""
     from rdrop_fairseq.opcount import LiveBytes
 
     model, inputs = build(head, batch, length, shape)
     with tempfile.TemporaryDirectory() as work:
-        step = make_step(method, model, inputs, work)
+        step = make_step(method, model, inputs, work, bf16)
         step()  # warm-up (and RDropTrainer's one-time label check)
         times = []
         for _ in range(steps):
@@ -143,7 +152,7 @@ def measure(method, head, batch, length, steps, shape=None):
             times.append(time.perf_counter() - start)
         with LiveBytes() as memory:
             step()
-    return {"method": method, "head": head, "seconds": statistics.median(times),
+    return {"method": method, "head": head, "bf16": bf16, "seconds": statistics.median(times),
             "times": times, "peak_mib": memory.peak / 2**20}
 
 
@@ -153,7 +162,8 @@ def run_child(method, head, args):
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, __file__, "_child", method, head, "--batch",
                           str(args.batch), "--length", str(args.length), "--steps",
-                          str(args.steps), "--threads", str(args.threads)],
+                          str(args.steps), "--threads", str(args.threads),
+                          *(["--bf16"] if args.bf16 else [])],
                          capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -178,7 +188,8 @@ def summarise(results):
 
 
 def markdown(rows, args):
-    out = [f"batch {args.batch} x {args.length} tokens per pass, {args.threads} thread(s), "
+    out = [f"batch {args.batch} x {args.length} tokens per pass, "
+           f"{'bf16 autocast, ' if getattr(args, 'bf16', False) else ''}{args.threads} thread(s), "
            f"{args.rounds} processes per method (alternating), {args.steps} timed steps each:",
            "", "| head | method | s / step (median) | x floor | peak MiB | x floor | per process |",
            "|---|---|---|---|---|---|---|"]
@@ -204,6 +215,7 @@ def parse(argv):
     p.add_argument("--rounds", type=int, default=3, help="processes per method")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True): autocast")
     return p.parse_args(argv)
 
 
@@ -213,7 +225,8 @@ def main(argv=None):
         import torch
 
         torch.set_num_threads(args.threads)
-        print(json.dumps(measure(args.method, args.head, args.batch, args.length, args.steps)))
+        print(json.dumps(measure(args.method, args.head, args.batch, args.length, args.steps,
+                                 bf16=args.bf16)))
         return 0
     results = []
     for head in args.heads:

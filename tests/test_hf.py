@@ -449,6 +449,25 @@ def test_the_benchmark_times_both_steps_on_the_same_doubled_batch(tmp_path):
                                                          rounds=2, steps=2))
     assert table.count("| **RDropTrainer** (alpha 1) |") == 4
     assert table.count("| **RDropTrainer**, fused linear |") == 3
+    # --bf16: the Trainer's autocast, under which the fused path multiplies in bf16
+    from rdrop_fairseq import hf
+
+    seen_dtypes = []
+    original = hf.fused_linear_rdrop_loss
+
+    def spy(features, weight, *args, **kwargs):
+        seen_dtypes.append((features.dtype, weight.dtype))
+        return original(features, weight, *args, **kwargs)
+
+    model, inputs = bench_hf.build("causal-lm", 2, 8, shapes["causal-lm"])
+    step = bench_hf.make_step("rdrop-fused", model, inputs, tmp_path / "bf16", bf16=True)
+    hf.fused_linear_rdrop_loss = spy
+    try:
+        step()
+    finally:
+        hf.fused_linear_rdrop_loss = original
+    assert seen_dtypes == [(torch.bfloat16, torch.bfloat16)]
+    assert model.lm_head.weight.dtype == torch.float32  # the weights stay float32
 
 
 def test_the_triton_kernel_gives_the_torch_implementations_loss_and_gradient():
