@@ -5,6 +5,7 @@ bytes: resume at once), Refused (an answer that is not the file), Unreachable (n
 connection), Failed (the rest)."""
 
 import atexit
+import inspect
 import socket
 import sys
 import time
@@ -50,13 +51,17 @@ class _TooLong(Exception):
         self.after = after
 
 
+_UNCLAMPED = {"retry_after_max": 10 ** 9} if "retry_after_max" in inspect.signature(
+    Retry).parameters else {}
+
+
 class _Retry(Retry):
     """urllib3's Retry, but a refusal, no route or a name that does not exist (not a
     temporary look-up failure) is not tried again, a Retry-After is waited for up to
     RDROP_FETCH_MAX_RETRY_AFTER seconds only, and a long wait is said."""
 
-    def __init__(self, *args, retry_after_max=10 ** 9, **kwargs):  # bounded in sleep()
-        super().__init__(*args, retry_after_max=retry_after_max, **kwargs)
+    def __init__(self, *args, **kwargs):  # recent urllib3 clamps it at 6 h; sleep() bounds it
+        super().__init__(*args, **{**_UNCLAMPED, **kwargs})
 
     def increment(self, method=None, url=None, *args, error=None, **kwargs):
         cause = getattr(error, "original_error", error)  # through a proxy
