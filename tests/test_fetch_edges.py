@@ -110,6 +110,28 @@ def test_bad_input_is_one_line_with_what_to_change(tmp_path, args, message):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("args", [["--out", "{dl}/a.bin", URL], ["--dir", "{dl}", "gpt2-bpe"]])
+def test_a_folder_without_write_rights_is_one_line(tmp_path, monkeypatch, capsys, args):
+    """The folder is there, but its lock file cannot be made: a folder of another user, as
+    filelock meets it (the tests may run as root, whom no folder refuses)."""
+    (tmp_path / "dl").mkdir()
+    real_open = os.open
+
+    def refused(path, flags, *rest, **kwargs):
+        if str(path).startswith(str(tmp_path)) and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real_open(path, flags, *rest, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    monkeypatch.delenv("RDROP_SOURCES", raising=False)
+    with pytest.raises(SystemExit) as e:
+        fetch_main([a.format(dl=tmp_path / "dl") for a in args])
+    assert e.value.code == 2 and list((tmp_path / "dl").iterdir()) == []
+    assert capsys.readouterr().err == (
+        f"python -m rdrop_fairseq.recipes.fetch: error: cannot write {tmp_path / 'dl'} "
+        "(Permission denied): give a place you can write to (--help: the options)\n")
+
+
 @pytest.mark.parametrize("error, says", [
     (errno.EDQUOT, "the disk quota is exceeded: .*free space within your quota and run again"),
     (errno.EROFS, "the file system is read-only: .*make it writable and run again"),

@@ -99,7 +99,7 @@ def locked(path):
         say(f"waiting for another run fetching or making {path}")
         return lock.acquire()
     except OSError as e:  # a folder without write rights, a read-only file system
-        raise BadInput(write_error(e, path.parent)) from None
+        raise BadInput(write_error(OSError(e.errno, e.strerror), path.parent)) from None
 
 
 def make_folder(folder):
