@@ -63,7 +63,8 @@ or with a bad checksum, is refused as it is loaded, naming the source and the fi
 file asked for is there, verified.
 """
 
+# what the recipes, the experiments and the tests use
 from .base import BadInput, FetchError, NoNetwork, Offline  # noqa: F401
 from .core import fetch, get  # noqa: F401
-from .table import TABLE, hub_url, load_sources, make, markdown_table, unpack  # noqa: F401
-from .verify import archive_check, check_digest, file_digest  # noqa: F401
+from .table import TABLE, hub_url, load_sources, markdown_table  # noqa: F401
+from .verify import check_digest  # noqa: F401
