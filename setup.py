@@ -9,7 +9,7 @@ setup(
     license="MIT",
     python_requires=">=3.9",
     packages=find_packages(include=["rdrop_fairseq", "rdrop_fairseq.*"]),
-    # the recipes' source table (rdrop_fairseq/recipes/fetch.py)
+    # the recipes' source table (read by rdrop_fairseq/recipes/fetch/table.py)
     package_data={"rdrop_fairseq.recipes": ["sources.json", "glue_tasks.tsv"]},
     # fairseq itself is deliberately not a requirement: the PyPI distribution named
     # "fairseq" (0.12.2) does not import on Python 3.11 and would replace a user's own

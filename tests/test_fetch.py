@@ -30,7 +30,9 @@ from pathlib import Path
 import pytest
 
 from rdrop_fairseq.recipes import fetch as fetch_mod
-from rdrop_fairseq.recipes.fetch import FetchError, fetch
+from rdrop_fairseq.recipes.fetch import FetchError, core, fetch
+from rdrop_fairseq.recipes.fetch import http as fetch_http
+from rdrop_fairseq.recipes.fetch.__main__ import main as fetch_main
 from tests.recipe_helpers import terminal_sigint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +49,9 @@ class Route(dict):
     (bytes sent before the server waits); ``etag`` (sent, and an If-Range that differs
     gets the whole file); ``busy`` (a list of ``(status, Retry-After)`` answered first);
     ``redirect`` (a path it moved to); ``encoding`` (a Content-Encoding header); ``then``
-    (the Route that answers from the next request on)."""
+    (the Route that answers from the next request on); ``short`` (bytes of the next 206
+    sent, with a Content-Length that says so, and its Content-Range the whole rest: a
+    proxy's cut)."""
 
 
 class Server(http.server.ThreadingHTTPServer):
@@ -55,7 +59,7 @@ class Server(http.server.ThreadingHTTPServer):
 
     def __init__(self):
         super().__init__(("127.0.0.1", 0), Handler)
-        self.routes, self.log = {}, []
+        self.routes, self.log, self.closed = {}, [], []  # closed: the clients' ports
 
     @property
     def base(self):
@@ -71,6 +75,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+    def finish(self):  # the connection is over
+        super().finish()
+        self.server.closed.append(self.client_address[1])
+
     def do_GET(self):
         # a proxied request names the whole URL: serve it by its path too
         path = "/" + self.path.split("://", 1)[1].split("/", 1)[1] if "://" in self.path \
@@ -79,7 +87,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.server.log.append({"path": path, "raw_path": self.path, "time": time.monotonic(),
                                 "range": self.headers.get("Range"),
                                 "if_range": self.headers.get("If-Range"),
-                                "agent": self.headers.get("User-Agent")})
+                                "agent": self.headers.get("User-Agent"),
+                                "port": self.client_address[1]})
         if route is None:
             return self._error(404)
         if route.get("refuse_python_ua") and "Python-urllib" in self.headers.get("User-Agent", ""):
@@ -111,12 +120,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         for header, key in (("ETag", "etag"), ("Content-Encoding", "encoding")):
             if route.get(key):
                 self.send_header(header, route[key])
+        body = data[start:]
+        if start and route.get("short"):
+            body = body[:route.pop("short")]
         if route.get("no_length"):  # the body ends where the connection closes
             self.close_connection = True
         else:
-            self.send_header("Content-Length", str(len(data) - start))
+            self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        body = data[start:]
         if route.get("then"):  # what the host serves from now on
             self.server.routes[path] = route.pop("then")
         cut = route.pop("cut", None)
@@ -146,8 +157,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(autouse=True)
 def a_new_run(monkeypatch):
-    """Each test a run of its own: no earlier test's unreachable hosts carry over."""
-    monkeypatch.setattr(fetch_mod, "_unreachable", {})
+    """Each test a run of its own: no earlier test's unreachable hosts or connections carry
+    over."""
+    monkeypatch.setattr(core, "_unreachable", {})
+    yield
+    fetch_http.close()
 
 
 @pytest.fixture
@@ -295,9 +309,10 @@ def test_ctrl_c_keeps_the_partial_file_for_the_next_run(server, tmp_path):
 
 class FullDisk:
     """Files opened for writing in ``module`` take ``room`` bytes in all, as a disk that
-    fills: a short write first, then ENOSPC. ``room = None``: space freed."""
+    fills: a short write first, then ENOSPC (or ``error``: EDQUOT, EROFS). ``room = None``:
+    space freed."""
 
-    def __init__(self, monkeypatch, module, room):
+    def __init__(self, monkeypatch, module, room, error=errno.ENOSPC):
         self.room, real_open = room, open
 
         def full_open(path, mode="r", *args, **kwargs):
@@ -310,7 +325,7 @@ class FullDisk:
                 if self.room is None:
                     return real_write(data)
                 if self.room == 0:
-                    raise OSError(errno.ENOSPC, "No space left on device")
+                    raise OSError(error, os.strerror(error))
                 n = real_write(bytes(memoryview(data)[:self.room]))
                 self.room -= n
                 return n  # short, as write() is on a disk that fills
@@ -325,7 +340,7 @@ class FullDisk:
 def test_a_full_disk_while_downloading_keeps_what_arrived_and_resumes(server, tmp_path,
                                                                       monkeypatch):
     server.routes["/a.bin"] = Route(data=DATA, etag='"v1"')
-    disk = FullDisk(monkeypatch, fetch_mod, 400_000)
+    disk = FullDisk(monkeypatch, fetch_http, 400_000)
     with pytest.raises(FetchError, match="the disk is full: .*a.bin.partial holds 400kB"):
         fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=SHA)
     assert (tmp_path / "a.bin.partial").read_bytes() == DATA[:400_000]  # every byte written
@@ -342,9 +357,9 @@ def test_a_full_disk_outside_the_download_is_one_line(server, tmp_path, monkeypa
     def full(out):
         raise OSError(errno.ENOSPC, "No space left on device", str(out) + ".sha256")
 
-    monkeypatch.setattr(fetch_mod, "record_first_seen", full)  # --record's file, say
+    monkeypatch.setattr(core, "record_first_seen", full)  # --record's file, say
     with pytest.raises(SystemExit) as e:
-        fetch_mod.main(["--record", "--out", str(tmp_path / "a.bin"), server.url("/a.bin")])
+        fetch_main(["--record", "--out", str(tmp_path / "a.bin"), server.url("/a.bin")])
     assert str(e.value) == f"error: the disk is full ({tmp_path / 'a.bin'}.sha256): free space " \
         "and run again"
     assert (tmp_path / "a.bin").read_bytes() == DATA  # the download itself is kept
@@ -371,15 +386,15 @@ def test_a_full_disk_while_unpacking_condemns_no_download(server, tmp_path, monk
         dst.write(src.read(300_000))
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(fetch_mod.shutil, "copyfileobj", copy_until_full)
+    monkeypatch.setattr(shutil, "copyfileobj", copy_until_full)
     with pytest.raises(FetchError, match="the disk is full while making .*nothing is fetched"):
         fetch_mod.get("m", dl, dest, table)
-    monkeypatch.setattr(fetch_mod.shutil, "copyfileobj", real_copy)
+    monkeypatch.setattr(shutil, "copyfileobj", real_copy)
     assert (dl / "m.zip").read_bytes() == archive and not dest.exists()
     assert only(dl / "x") == ["m.zip"] and not (tmp_path / "work").exists()
     # and while the second file of a source comes in: the first, whole, stays
     server.routes["/w.bin"] = Route(data=DATA)
-    disk = FullDisk(monkeypatch, fetch_mod, 500_004)  # dict.txt's 4 bytes, then w.bin's
+    disk = FullDisk(monkeypatch, fetch_http, 500_004)  # dict.txt's 4 bytes, then w.bin's
     with pytest.raises(FetchError, match="the disk is full: .*w.bin.partial"):
         fetch_mod.get("two", dl, None, table)
     disk.room = None  # space freed
@@ -497,7 +512,7 @@ def test_every_file_of_the_packaged_table_is_pinned():
             continue
         assert entry["files"] and entry.get("local"), name
         for spec in entry["files"]:
-            check = fetch_mod._checksum_of(spec)
+            check = fetch_mod.verify.checksum_of(spec)
             # a digest and a size from a public record, or the field that says none exists
             assert (check and spec.get("size")) or spec.get("no_public_record"), spec["name"]
             if check:
@@ -507,7 +522,7 @@ def test_every_file_of_the_packaged_table_is_pinned():
             else:
                 assert all(u.startswith(("https://", "http://")) for u in spec["urls"])
         make = entry.get("make", "copy")
-        assert make in ("copy", "unpack") or callable(fetch_mod._maker(make)), name
+        assert make in ("copy", "unpack") or callable(fetch_mod.table._maker(make)), name
     for name in ["wikitext-103", "iwslt14-de-en", "iwslt17-en-zh", "wmt13-europarl-v7",
                  "glue-RTE", "glue-MRPC", "glue-QQP", "gpt2-bpe", "roberta.base",
                  "roberta.large", "bart.large", "cnn_dailymail", "bert-base-uncased"]:
@@ -525,7 +540,8 @@ def test_every_file_of_the_packaged_table_is_pinned():
             cnndm["3.0.0/test-00000-of-00001.parquet"]["size"]) == ("04e322d2634a", 30_000_471)
     for manual in ["iwslt14-en-fr", "iwslt14-en-es", "wmt16-google-en-de"]:
         assert table[manual]["manual"]
-    assert "import prepare" not in (REPO / "rdrop_fairseq/recipes/fetch.py").read_text()
+    for module in (REPO / "rdrop_fairseq/recipes/fetch").glob("*.py"):
+        assert "import prepare" not in module.read_text(), module
 
 
 def test_a_corrupt_archive_without_a_checksum_names_the_file_and_its_source(server, tmp_path):
@@ -1004,7 +1020,7 @@ def test_a_storage_host_out_of_reach_does_not_make_the_hub_out_of_reach(server, 
         "small": hub_entry("small.json", sha256=hashlib.sha256(b"{}").hexdigest(), size=2)}))
     with pytest.raises(fetch_mod.NoNetwork):
         fetch_mod.get("big", tmp_path / "dl", None, table, )
-    assert set(fetch_mod._unreachable) == {f"127.0.0.1:{port}"}  # the storage, not the hub
+    assert set(core._unreachable) == {f"127.0.0.1:{port}"}  # the storage, not the hub
     assert fetch_mod.get("small", tmp_path / "dl", None, table)[0].read_bytes() == b"{}"
 
 

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import shlex
 import shutil
 import sys
 import tarfile
@@ -321,6 +322,28 @@ def test_offline_names_every_missing_input_and_how_to_fetch_it(server, tmp_path)
 def test_the_docs_print_the_source_table():
     doc = (REPO / "docs" / "data.md").read_text(encoding="utf-8")
     assert fetch_mod.markdown_table(fetch_mod.load_sources(fetch_mod.TABLE)) in doc
+
+
+def test_every_fetch_command_the_docs_show_runs(tmp_path, monkeypatch, capsys):
+    """Each ``python -m rdrop_fairseq.recipes.fetch`` line of docs/data.md, parsed and run
+    by the command line as a dry run (DRY_RUN=1: nothing fetched, nothing written)."""
+    from rdrop_fairseq.recipes.fetch.__main__ import main
+
+    doc = (REPO / "docs" / "data.md").read_text(encoding="utf-8").replace("\\\n", " ")
+    commands = [shlex.split(line, comments=True) for line in doc.splitlines()
+                if line.startswith("python -m rdrop_fairseq.recipes.fetch ")]
+    assert [c[3] for c in commands] == ["--sha256", "--dir", "--list"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DRY_RUN", "1")
+    monkeypatch.delenv("RDROP_SOURCES", raising=False)
+    for command in commands:
+        assert main(command[3:]) is None, command
+    out = capsys.readouterr().out
+    assert "++ fetch https://wikitext.smerity.com/wikitext-103-v1.zip -> wikitext-103-v1.zip" \
+        in out
+    assert "-> work/downloads/RTE.zip" in out and "++ make work/glue_data/RTE (unpack)" in out
+    assert "-> work/downloads/encoder.json" in out and "| source | file |" in out
+    assert list(tmp_path.iterdir()) == []
 
 
 WMT_EN_DE = ["wmt13-europarl-v7", "wmt13-commoncrawl", "wmt17-nc-v12", "wmt14-test-full"]

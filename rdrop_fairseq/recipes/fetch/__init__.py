@@ -1,0 +1,70 @@
+"""Download the recipes' inputs: pinned, verified, resumed after a cut, with progress.
+
+    python -m rdrop_fairseq.recipes.fetch [--sha256 HEX | --md5 HEX | --sha1 HEX] [--record] \\
+        --out FILE URL [URL ...]
+    python -m rdrop_fairseq.recipes.fetch --dir DOWNLOADS [--record] NAME[=DEST] ...
+    python -m rdrop_fairseq.recipes.fetch --list          # the source table, as docs/data.md prints it
+
+The first form fetches one file from the first URL that serves it. The second fetches the
+files of the named sources of the source table (``sources.json`` beside this package, or the
+JSON file that ``RDROP_SOURCES`` names) into DOWNLOADS, and with ``=DEST`` makes DEST from
+them with the maker that the table names (``copy``, ``unpack``, or ``module:function``).
+The recipe scripts' ``prepare`` stages run it.
+
+Every file of the table is pinned: its SHA-256 (or the MD5 or SHA-1 a record gives) and
+size from a public record, or, where no public record exists (fairseq's model tarballs), a
+``no_public_record`` field that says so, and then the file is checked for being whole: its
+size as served, and an archive read to its end. Files on the Hugging Face hub are fetched
+like the others, from the hub's address for the file at a pinned commit; one without a
+public record is checked against the SHA-256 that the hub publishes for it there, and a
+copy already in the Hugging Face cache at that commit is used first, without the network.
+Nothing appears under FILE unless verified; a download that fails verification is kept as
+``FILE.bad``, never resumed from. ``--record`` pins a file that has no public record: the
+SHA-256 of its first download is written to ``FILE.sha256`` and checked on later runs
+(without ``--record`` nothing is pinned after the fact).
+
+How a file is fetched (requests and urllib3, the hub's files too):
+
+* with a User-Agent of its own, through the proxy that ``http_proxy`` / ``https_proxy``
+  name, except for the hosts of ``no_proxy``; as served (a ``.tar.gz`` sent with
+  ``Content-Encoding: gzip`` is not unpacked);
+* one connection pool (a requests Session) for the run, closed at its end;
+* each try waits ``RDROP_FETCH_CONNECT_TIMEOUT`` seconds (default 10) to connect and
+  ``RDROP_FETCH_READ_TIMEOUT`` (default 30; ``--timeout``) for data; 5xx and 429 answers,
+  time-outs and temporary name-lookup failures are tried again by urllib3's Retry, with
+  back-off, ``--retries`` tries in all, then the next URL; a 429's or 503's
+  ``Retry-After`` is waited for up to ``RDROP_FETCH_MAX_RETRY_AFTER`` seconds (default
+  120; a wait over 3 s is said), and a longer one moves on, saying when the server asked
+  to be tried again;
+* into ``FILE.partial``, resumed with a Range request and ``If-Range`` (the partial file's
+  ETag or Last-Modified; a hub file, at a commit, without): a file that changed meanwhile
+  is fetched afresh, never spliced. Without a validator, only a file with a checksum to
+  check the result resumes; another starts afresh. A download cut after some bytes, or
+  an answer shorter than its Content-Range or Content-Length promised, resumes at once;
+  Ctrl-C, a full disk or quota and a read-only file system keep the partial file for the
+  next run;
+* 403, 404 and other refusals move to the next URL at once; so does a host that cannot be
+  reached (refused, no route, a name that does not exist). When no URL of a file can be
+  reached, its hosts are not waited for again in the run: without network the error names
+  every missing file, where it comes from and how to fetch it by hand, as ``OFFLINE=1``
+  does, within seconds;
+* an HTML page where a file was expected is refused (a login or quota page served with 200);
+* a FILE already there and verified is not fetched again; two runs fetching one file, or
+  making one DEST, take turns (a lock file ``.NAME.lock`` beside it).
+
+Making DEST never condemns a download: after a failure (a full disk while unpacking, say)
+the verified files stay, and the next run makes DEST from them without fetching again.
+
+Environment: ``OFFLINE=1`` fetches nothing: it names each missing file, where it comes
+from and the command that fetches it by hand. ``DRY_RUN=1`` prints each URL and
+destination. ``RDROP_SOURCES=table.json`` replaces the source table (one not well formed,
+or with a bad checksum, is refused as it is loaded, naming the source and the field).
+``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` are huggingface_hub's. Exit status 0 only when every
+file asked for is there, verified.
+"""
+
+# what the recipes, the experiments and the tests use
+from .base import BadInput, FetchError, NoNetwork, Offline  # noqa: F401
+from .core import fetch, get  # noqa: F401
+from .table import TABLE, hub_url, load_sources, markdown_table  # noqa: F401
+from .verify import check_digest  # noqa: F401
