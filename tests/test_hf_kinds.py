@@ -22,7 +22,7 @@ from transformers import PretrainedConfig  # noqa: E402
 from transformers.models.auto import modeling_auto as auto  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
-from rdrop_fairseq import hf  # noqa: E402
+from rdrop_fairseq import hf, hf_kind  # noqa: E402
 
 TASKS = ("CAUSAL_LM", "IMAGE_TEXT_TO_TEXT", "SEQ_TO_SEQ_CAUSAL_LM", "MASKED_LM")
 # sizes a default configuration is brought down to (only ever lowered); multiples of 16
@@ -90,13 +90,13 @@ def twice_its_own(model, kind):
     vocab = model.get_input_embeddings().num_embeddings
     cache = ({"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters
              else {})
-    ids = hf._probe_tokens(model, vocab, seed=5).repeat(2, 1)
+    ids = hf_kind._probe_tokens(model, vocab, seed=5).repeat(2, 1)
     ids[1] = ids[1].flip(0)
     with torch.no_grad():
         head = hf._logits_of(model(input_ids=ids, **cache, **(
             {"decoder_input_ids": ids} if kind == "seq2seq" else {})))
         if kind == "seq2seq":
-            labels = hf._probe_tokens(model, head.size(-1), seed=9).repeat(2, 1)
+            labels = hf_kind._probe_tokens(model, head.size(-1), seed=9).repeat(2, 1)
             labels[0, -3:] = -100
         elif head.dim() == 2:  # a sequence head
             labels = torch.tensor([0, head.size(-1) - 1])

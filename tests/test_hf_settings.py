@@ -18,11 +18,11 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 transformers = pytest.importorskip("transformers")
-from transformers import (GPT2Config, GPT2LMHeadModel, Trainer,  # noqa: E402
-                          TrainingArguments, XLNetConfig, XLNetLMHeadModel)
+from transformers import (GPT2Config, Trainer, TrainingArguments,  # noqa: E402
+                          XLNetConfig, XLNetLMHeadModel)
 
 from rdrop_fairseq import hf  # noqa: E402
-from rdrop_fairseq.hf import RDropTrainer, rdrop_hf_loss  # noqa: E402
+from rdrop_fairseq.hf import rdrop_hf_loss  # noqa: E402
 from tests.test_hf_lm import NoLossKwargsLM, batch, formula, imported_trl, make, tiny  # noqa: E402
 
 V = 50_000
