@@ -84,3 +84,27 @@ def test_fsdp2_sharded_model_gives_the_gradient_of_the_whole_batch(tmp_path, pat
     for name in want:
         torch.testing.assert_close(got["grads"][name], want[name], rtol=1e-5, atol=1e-7,
                                    msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["fused", "logits"])
+def test_the_trainers_own_fsdp_on_a_gpu_trains_as_without_it(tmp_path, path):
+    """The Trainer's FSDP (full_shard, torchrun, one GPU): its R-Drop step's loss, and the
+    eval_loss after one SGD step (which its gradient decides), are the unsharded run's."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = {}
+    for mode in ("plain", "fsdp"):
+        command = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", "1"] if mode == "fsdp" else [sys.executable])
+        proc = subprocess.run([*command, "tests/hf_fsdp_trainer_worker.py",
+                               str(tmp_path / mode), path, mode], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[mode] = json.loads((tmp_path / mode).read_text())
+    assert "FullyShardedDataParallel" in runs["fsdp"]["wrapped"] or \
+        runs["fsdp"]["wrapped"].startswith("FSDP"), runs["fsdp"]
+    assert runs["fsdp"]["loss"] == pytest.approx(runs["plain"]["loss"], rel=1e-4)
+    assert runs["fsdp"]["eval_after"] == pytest.approx(runs["plain"]["eval_after"], rel=1e-4)
