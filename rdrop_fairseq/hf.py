@@ -46,7 +46,7 @@ from .core import (IMPLS, RDropBatchError, chunk_budget_mb, duplicate_net_input,
                    mse_consistency, rdrop_loss)
 from .fused_linear import fused_linear_rdrop_loss
 from .hf_kind import (IGNORE_INDEX, KINDS, _decoder_inputs, _is, _logits_of, _router_loss,
-                      _unwrap, read_kind)
+                      _takes, _unwrap, read_kind)
 
 __all__ = ["RDropMixin", "RDropTrainer", "RDropSeq2SeqTrainer", "rdrop_hf_loss", "model_kind",
            "labelled_items", "declare_loss_scaling", "warmup_arguments", "TRANSFORMERS_RANGE"]
@@ -169,8 +169,8 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
             "go through the model twice as [x; x]: set padding_free=False (TRL: and a "
             "packing strategy other than 'bfd')")
     features = {key: value for key, value in inputs.items() if key != "labels"}
-    if kind in ("causal", "seq2seq"):
-        features.setdefault("use_cache", False)  # no key/value cache of the doubled batch
+    if _takes(model, "use_cache"):  # no key/value cache of the doubled batch
+        features.setdefault("use_cache", False)
     if kind == "seq2seq" and features.get("decoder_input_ids") is None:
         # what the model does with labels and no decoder inputs: labels shifted right
         features["decoder_input_ids"] = _decoder_inputs(_unwrap(model), labels)

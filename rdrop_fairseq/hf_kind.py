@@ -156,8 +156,7 @@ def _decoder_inputs(inner, labels):
 
 
 def _probe_call(model, name, **inputs):
-    forward = inspect.signature(_unwrap(model).forward).parameters
-    if "use_cache" in forward:  # no key/value cache (hybrid models' caches refuse a probe)
+    if _takes(model, "use_cache"):  # no key/value cache (hybrid models' caches refuse a probe)
         inputs["use_cache"] = False
     try:
         return model(**inputs)
@@ -180,9 +179,9 @@ def _probe_tokens(inner, vocab, seed):
                 special.add(value)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, _PROBE, generator=g)
-    plain = [t for t in range(min(vocab, len(special) + 8)) if t not in special]
+    safe = next((t for t in range(vocab) if t not in special), 0)
     for token in special:
-        ids[ids.eq(token)] = plain[-1]
+        ids[ids.eq(token)] = safe
     return ids.to(next(inner.parameters()).device)
 
 
@@ -248,3 +247,8 @@ def _router_loss(model, outputs):
     if not torch.is_tensor(aux) or not coef:
         return 0.0
     return coef * aux
+
+
+def _takes(model, argument):
+    """Whether the model's forward names ``argument``."""
+    return argument in inspect.signature(_unwrap(model).forward).parameters
