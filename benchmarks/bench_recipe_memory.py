@@ -288,6 +288,7 @@ def measure(recipe, tiny=False, device="cuda", python=sys.executable, log=print)
         extra.append("common.cpu=true")
     vocab = TINY_VOCAB if tiny else r.vocab
     rows = []
+    baseline = torch.cuda.memory_allocated() if device == "cuda" else 0
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
         cfg = compose(command, data, extra)
@@ -313,7 +314,8 @@ def measure(recipe, tiny=False, device="cuda", python=sys.executable, log=print)
             torch.cuda.current_device = lambda: 0
         try:
             for tokens in points:
-                rows.append(measure_step(trainer, recipe, tokens, precision, params, log))
+                rows.append(measure_step(trainer, recipe, tokens, precision, params, baseline,
+                                         log))
         finally:
             torch.cuda.current_device = current_device
         del trainer, model, criterion, task
@@ -323,26 +325,39 @@ def measure(recipe, tiny=False, device="cuda", python=sys.executable, log=print)
     return rows
 
 
-def measure_step(trainer, recipe, tokens, precision, params, log):
-    """A warm-up step and a measured one on the longest batch at ``tokens``: the row."""
+def update(trainer, sample, what):
+    """One train_step that updates the weights: fp16's loss scaler skips the update of a
+    step whose gradients overflowed (no optimizer states are made then), so such a step is
+    taken again. The overflowed steps, counted."""
+    for overflows in range(8):
+        before = trainer.get_num_updates()
+        if trainer.train_step([sample]) is None:
+            raise RuntimeError(f"the {what} step made no update (out of memory?)")
+        if trainer.get_num_updates() > before:
+            return overflows
+    raise RuntimeError(f"the {what} step overflowed 8 times in a row")
+
+
+def measure_step(trainer, recipe, tokens, precision, params, baseline, log):
+    """A warm-up step and a measured one on the longest batch at ``tokens``: the row. The
+    CUDA figures are above ``baseline``, the bytes allocated before the recipe's model was
+    built (what an earlier recipe in this process left)."""
     import torch
 
     cuda = trainer.cuda
     sample = batch_at(trainer, tokens)
     sentences_, width = sample["net_input"]["src_tokens"].shape
     start = time.perf_counter()
-    if trainer.train_step([sample]) is None:  # warm-up: the optimizer's states are made
-        raise RuntimeError(f"{recipe}: the warm-up step made no update (an OOM?)")
+    overflows = update(trainer, sample, "warm-up")  # the optimizer's states are made here
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    if trainer.train_step([sample]) is None:
-        raise RuntimeError(f"{recipe}: the measured step made no update (an OOM?)")
+    overflows += update(trainer, sample, "measured")
     peak = reserved = None
     if cuda:
         torch.cuda.synchronize()
-        peak = round(torch.cuda.max_memory_allocated() / GIB, 3)
-        reserved = round(torch.cuda.max_memory_reserved() / GIB, 3)
+        peak = round((torch.cuda.max_memory_allocated() - baseline) / GIB, 3)
+        reserved = round((torch.cuda.max_memory_reserved() - baseline) / GIB, 3)
     seconds = round(time.perf_counter() - start, 2)
     kept = state_bytes(trainer)
     row = {"recipe": recipe, "max_tokens": tokens, "precision": precision,
@@ -350,7 +365,7 @@ def measure_step(trainer, recipe, tokens, precision, params, log):
            "state_gib": round(kept / GIB, 3), "params": params,
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "date": datetime.date.today().isoformat(), "state_bytes": kept,
-           "seconds": seconds}
+           "baseline_gib": round(baseline / GIB, 3), "overflows": overflows, "seconds": seconds}
     log("\t".join(str(row[c]) for c in COLUMNS))
     return row
 

@@ -85,6 +85,35 @@ def test_iwslt14_steps_through_fairseqs_trainer_at_a_tiny_scale():
         assert row["device"] == "cpu" and row["peak_gib"] is None
 
 
+class FakeTrainer:
+    """train_step as fairseq's: None after an OOM, no update while fp16 overflows."""
+
+    def __init__(self, overflows, oom=False):
+        self.overflows, self.oom, self.updates = overflows, oom, 0
+
+    def get_num_updates(self):
+        return self.updates
+
+    def train_step(self, samples):
+        if self.oom:
+            return None
+        if self.overflows:
+            self.overflows -= 1
+        else:
+            self.updates += 1
+        return [{}]
+
+
+def test_a_step_is_taken_again_until_it_updates():
+    """An overflowed fp16 step makes no optimizer states: the warm-up would not warm up."""
+    trainer = FakeTrainer(overflows=3)
+    assert bench.update(trainer, None, "warm-up") == 3 and trainer.updates == 1
+    with pytest.raises(RuntimeError, match="overflowed 8 times in a row"):
+        bench.update(FakeTrainer(overflows=8), None, "warm-up")
+    with pytest.raises(RuntimeError, match="the measured step made no update"):
+        bench.update(FakeTrainer(0, oom=True), None, "measured")
+
+
 @pytest.mark.slow
 def test_every_recipe_runs_on_the_cpu_at_a_tiny_scale(tmp_path):
     out = tmp_path / "rows.json"

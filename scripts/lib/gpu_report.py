@@ -53,7 +53,7 @@ def memory_table(work):
         return ["(no rows: see gpu-check.log)"]
     result = json.loads(path.read_text())
     columns = ["recipe", "max_tokens", "batch", "precision", "peak_gib", "reserved_gib",
-               "state_gib", "params", "seconds"]
+               "state_gib", "params", "baseline_gib", "overflows", "seconds"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(row.get(c)) for c in columns) + " |"
               for row in result["rows"]]
