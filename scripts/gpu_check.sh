@@ -207,7 +207,7 @@ fp16_run &
 stage fast_tier "$(box FAST_TIER 150)" env TEST_PYTHON="$PYTHON" TEST_WORKERS=$FAST_WORKERS \
   bash "$REPO/scripts/test.sh" --fast -q -p no:cacheprovider --junitxml "$OUT/fast-tier.xml" \
   "${FAST[@]}" &
-stage recipe_memory "$(box RECIPE_MEMORY 120)" "${MEMORY[@]}" --json "$WORK/recipe_memory.json" &
+stage recipe_memory "$(box RECIPE_MEMORY 150)" "${MEMORY[@]}" --json "$WORK/recipe_memory.json" &
 wait
 [ "$DRY" = 1 ] && exit 0
 
