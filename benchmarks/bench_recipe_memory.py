@@ -54,7 +54,8 @@ TINY_TRANSLATION = ["model.encoder_layers=1", "model.decoder_layers=1",
                     "model.encoder_embed_dim=16", "model.decoder_embed_dim=16",
                     "model.encoder_ffn_embed_dim=32", "model.decoder_ffn_embed_dim=32",
                     "model.encoder_attention_heads=2", "model.decoder_attention_heads=2",
-                    "++model.max_source_positions=64", "++model.max_target_positions=64"]
+                    "++model.max_source_positions=64", "++model.max_target_positions=64",
+                    "++task.max_source_positions=64", "++task.max_target_positions=64"]
 TINY_LM = ["model.decoder_layers=1", "model.decoder_embed_dim=16", "model.decoder_input_dim=16",
            "model.decoder_output_dim=16", "model.decoder_ffn_embed_dim=32",
            "model.decoder_attention_heads=2", "task.tokens_per_sample=64"]
@@ -268,13 +269,22 @@ def state_bytes(trainer):
 def batch_at(trainer, max_tokens):
     """The batch fairseq's batching forms at ``max_tokens`` with the longest sentences
     (then the most of them), collated as the training loop gets it (the loop's DataLoader
-    workers are left out: they take seconds to stop)."""
+    workers are left out: they take seconds to stop). Among the batches whose sizes tie,
+    the widest once collated (truncate_source's sizes count one token more than some
+    sentences hold)."""
     trainer.cfg.dataset.max_tokens = max_tokens
     itr = trainer.get_train_iterator(epoch=1, load_dataset=False, disable_iterator_cache=True)
     dataset = itr.dataset
-    longest = max(itr.frozen_batches,
-                  key=lambda b: (max(dataset.num_tokens(i) for i in b), len(b)))
-    return dataset.collater([dataset[i] for i in longest])
+
+    def size(batch):
+        return max(dataset.num_tokens(i) for i in batch), len(batch)
+
+    largest = max(size(b) for b in itr.frozen_batches)
+    tied = [b for b in itr.frozen_batches if size(b) == largest]
+    samples = [dataset.collater([dataset[i] for i in b]) for b in tied]
+    return max(samples, key=lambda s: (s["net_input"]["src_tokens"].shape[1],
+                                       s["net_input"]["src_tokens"].numel(),
+                                       s["target"].numel()))
 
 
 def measure(recipe, tiny=False, device="cuda", python=sys.executable, log=print):
