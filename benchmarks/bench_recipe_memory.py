@@ -447,8 +447,10 @@ def main(argv=None):
         except Exception as e:  # the next recipe still runs; the run fails at the end
             failed.append(recipe)
             print(f"{recipe}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        if a.json:
-            a.json.write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
+        if a.json:  # whole or not at all: a stage cut at its box leaves a readable file
+            part = a.json.with_name(a.json.name + ".part")
+            part.write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
+            os.replace(part, a.json)
     return 1 if failed else 0
 
 
