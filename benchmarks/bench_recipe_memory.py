@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -359,6 +360,9 @@ def measure_step(trainer, recipe, tokens, precision, params, baseline, log):
     cuda = trainer.cuda
     sample = batch_at(trainer, tokens)
     sentences_, width = sample["net_input"]["src_tokens"].shape
+    if cuda:  # the allocator's cache from an earlier, larger batch would count as reserved
+        gc.collect()
+        torch.cuda.empty_cache()
     start = time.perf_counter()
     overflows = update(trainer, sample, "warm-up")  # the optimizer's states are made here
     if cuda:
@@ -447,6 +451,10 @@ def main(argv=None):
         except Exception as e:  # the next recipe still runs; the run fails at the end
             failed.append(recipe)
             print(f"{recipe}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            traceback.print_exc()
+        gc.collect()  # a failed recipe's model, which its traceback held until here
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         if a.json:  # whole or not at all: a stage cut at its box leaves a readable file
             part = a.json.with_name(a.json.name + ".part")
             part.write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))

@@ -114,6 +114,22 @@ def test_a_step_is_taken_again_until_it_updates():
         bench.update(FakeTrainer(0, oom=True), None, "measured")
 
 
+def test_a_failed_recipe_is_reported_and_the_next_one_runs(tmp_path, monkeypatch, capsys):
+    def measure(recipe, **kwargs):
+        if recipe == "wmt14":
+            raise RuntimeError("the measured step made no update (out of memory?)")
+        return [{"recipe": recipe, "max_tokens": 1}]
+
+    monkeypatch.setattr(bench, "measure", measure)
+    out = tmp_path / "rows.json"
+    assert bench.main(["--recipes", "wmt14", "iwslt14", "--device", "cpu", "--json",
+                       str(out)]) == 1
+    assert json.loads(out.read_text()) == {"rows": [{"recipe": "iwslt14", "max_tokens": 1}],
+                                           "failed": ["wmt14"]}
+    assert "wmt14: RuntimeError: the measured step made no update" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.part"))
+
+
 @pytest.mark.slow
 def test_every_recipe_runs_on_the_cpu_at_a_tiny_scale(tmp_path):
     out = tmp_path / "rows.json"
