@@ -176,8 +176,9 @@ def write_dictionary(path, size, symbols=None):
     from fairseq.data import Dictionary
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    words = symbols if symbols is not None else [f"w{i}" for i in range(size - Dictionary().nspecial)]
-    path.write_text("".join(f"{w} 1\n" for w in words))
+    if symbols is None:
+        symbols = [f"w{i}" for i in range(size - Dictionary().nspecial)]
+    path.write_text("".join(f"{w} 1\n" for w in symbols))
 
 
 def write_split(prefix, items, vocab):
@@ -372,15 +373,18 @@ def measure_step(trainer, recipe, tokens, precision, params, baseline, log):
     peak = reserved = None
     if cuda:
         torch.cuda.synchronize()
-        peak = round((torch.cuda.max_memory_allocated() - baseline) / GIB, 3)
-        reserved = round((torch.cuda.max_memory_reserved() - baseline) / GIB, 3)
+        peak = torch.cuda.max_memory_allocated() - baseline
+        reserved = torch.cuda.max_memory_reserved() - baseline
     seconds = round(time.perf_counter() - start, 2)
     kept = state_bytes(trainer)
     row = {"recipe": recipe, "max_tokens": tokens, "precision": precision,
-           "batch": f"{sentences_}x{width}", "peak_gib": peak, "reserved_gib": reserved,
+           "batch": f"{sentences_}x{width}",
+           "peak_gib": None if peak is None else round(peak / GIB, 3),
+           "reserved_gib": None if reserved is None else round(reserved / GIB, 3),
            "state_gib": round(kept / GIB, 3), "params": params,
            "device": torch.cuda.get_device_name() if cuda else "cpu",
            "date": datetime.date.today().isoformat(), "state_bytes": kept,
+           "peak_bytes": peak, "reserved_bytes": reserved,
            "baseline_gib": round(baseline / GIB, 3), "overflows": overflows, "seconds": seconds}
     log("\t".join(str(row[c]) for c in COLUMNS))
     return row

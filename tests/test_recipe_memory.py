@@ -104,6 +104,24 @@ class FakeTrainer:
         return [{}]
 
 
+@pytest.mark.cuda
+def test_the_cuda_figures_at_a_tiny_scale():
+    """The CUDA branch (gpu_check's cuda_tests run it): the allocator's peak holds at least
+    what the steps keep, reserved at least the peak, the half batch's peak below the
+    whole one's (the cache emptied between them)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    rows = bench.measure("iwslt14", tiny=True, device="cuda", log=lambda line: None)
+    assert [(r["max_tokens"], r["batch"], r["precision"]) for r in rows] == [
+        (4096, "64x64", "fp16"), (2048, "32x64", "fp16")]
+    for row in rows:
+        assert row["state_bytes"] == PER_PARAM["adam"] * row["params"], row
+        assert row["reserved_bytes"] >= row["peak_bytes"] >= row["state_bytes"], row
+        assert row["device"] == torch.cuda.get_device_name()
+    assert rows[1]["peak_bytes"] < rows[0]["peak_bytes"], rows
+
+
 def test_a_step_is_taken_again_until_it_updates():
     """An overflowed fp16 step makes no optimizer states: the warm-up would not warm up."""
     trainer = FakeTrainer(overflows=3)
