@@ -143,8 +143,6 @@ def compose(command, data, extra=()):
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    import rdrop_fairseq  # noqa: F401  (the plugin's tasks, criteria: add_defaults needs them)
-
     config_dir = command[command.index("--config-dir") + 1]
     name = command[command.index("--config-name") + 1]
     dropped = ("task.data=", "hydra.", "distributed_training.")
@@ -157,8 +155,10 @@ def compose(command, data, extra=()):
         warnings.simplefilter("ignore")
         with initialize_config_dir(config_dir=config_dir, version_base="1.1"):
             cfg = hydra_compose(config_name=name, overrides=overrides)
-    # what fairseq_cli.hydra_train then fairseq_cli.train.main do with it (the second
-    # add_defaults leaves the config open: the legacy models add keys to it)
+    # what fairseq_cli.hydra_train then fairseq_cli.train.main do with it: the plugin
+    # imported from common.user_dir (not before: fairseq refuses a user dir whose module
+    # name was imported from elsewhere), then add_defaults again, which leaves the config
+    # open (the legacy models add keys to it)
     add_defaults(cfg)
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     OmegaConf.set_struct(cfg, True)
