@@ -84,6 +84,9 @@ train() {
   (( CLASSES > 1 )) || regression=true
   say "batch: 1 device x update-freq $UPDATE_FREQ x $batch_size sentences" \
       "= $(( batch_size * UPDATE_FREQ )) sentences per update (the paper's: $BATCH)"
+  # RoBERTa large's measured memory: the config's max-tokens 4400 caps a batch of 512-token
+  # sentences at 8, whatever the task's batch
+  [ "$CONFIG" != roberta_glue_rdrop ] || memory_line 4400
   local restore task_args=()
   if [ -f "$SAVE_DIR/checkpoint_last.pt" ] || [ "${FROM_SCRATCH:-0}" = 1 ]; then
     # resume (fairseq's default: checkpoint_last.pt, if any), nothing reset

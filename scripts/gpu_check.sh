@@ -24,13 +24,17 @@
 #   attendout  benchmarks/bench_attendout.py at roberta-base's shape in fp16 (12 x 768,
 #              batch 16 x 256): each method's step, pruned inference, and the pruning
 #              step's memory for T = 1 and 8 cached batches;
-# then, side by side (correctness, not timing):
+# then, side by side (correctness and memory, not timing):
 #   cuda_tests pytest -m cuda;
 #   fp16       the LibreOffice corpus prepared, FP16_UPDATES (300) fp16 updates of R-Drop
 #              with the run's final validation: every loss, nll_loss and rdrop_kl finite;
-#   fast_tier  the suite's core tier (scripts/test.sh --fast) where CUDA is visible.
+#   fast_tier  the suite's core tier (scripts/test.sh --fast) where CUDA is visible;
+#   recipe_memory  each recipe's fp16 training step at its per-GPU tokens
+#              (benchmarks/bench_recipe_memory.py: the allocator's peak, a figure of its
+#              own process, so other processes on the GPU do not change it).
 # OUT gets 8 files: summary.md (the versions, each stage's status and time, every table),
-# gpu-check.log (every stage's output), bench_rdrop.json, profile.txt,
+# gpu-check.log (every stage's output), bench_rdrop.json (with the recipes' memory rows,
+# for bench_recipe_memory.py record), profile.txt,
 # bench_attendout.json, cuda-tests.xml, fast-tier.xml, fp16-train.log. Scratch in WORK.
 #
 # Environment: torch for CUDA, fairseq and this plugin (pip install -e '.[test,recipes]';
@@ -51,7 +55,7 @@ DRY=${DRY_RUN:-0}
 FP16_UPDATES=${FP16_UPDATES:-$([ "$SMOKE" = 1 ] && echo 4 || echo 300)}
 [[ $FP16_UPDATES =~ ^[1-9][0-9]*$ ]] || die "FP16_UPDATES must be a whole number >= 1"
 for var in T_SETUP T_LOSS T_STEP T_ATTENDOUT T_ATTENDOUT_PRUNING T_CUDA_TESTS T_PREPARE \
-           T_FP16_TRAIN T_FAST_TIER; do
+           T_FP16_TRAIN T_FAST_TIER T_RECIPE_MEMORY; do
   [ -z "${!var:-}" ] || [[ ${!var} =~ ^[1-9][0-9]*$ ]] ||
     die "$var must be a whole number of seconds >= 1 (the stage's time box), not '${!var}'"
 done
@@ -103,6 +107,7 @@ fi
 # the stages' commands, at the GPU's sizes or CPU_SMOKE's toy ones
 BENCH=("$PYTHON" "$REPO/benchmarks/bench_rdrop.py")
 ATTENDOUT=("$PYTHON" "$REPO/benchmarks/bench_attendout.py")
+MEMORY=("$PYTHON" "$REPO/benchmarks/bench_recipe_memory.py")
 if [ "$SMOKE" = 1 ]; then
   # ours-triton in Triton's interpreter (a program per row, each ~35 ms: 16 tokens in the
   # loss, one 16-token sentence in the step); each table in this process as on CUDA
@@ -118,6 +123,7 @@ if [ "$SMOKE" = 1 ]; then
   CUDA_TESTS=("$REPO/tests/test_fused_linear.py")
   FAST=(-k test_bad_input_is_refused)
   FAST_WORKERS=0
+  MEMORY+=(--device cpu --tiny --recipes iwslt14)  # the path, at a 1-layer model's size
 else
   BENCH+=(--device cuda)
   LOSS=(--dtype bfloat16 float16 --vocab 32000 267744 --tokens 8192 --projection 1024
@@ -138,6 +144,7 @@ else
   CUDA_TESTS=("$REPO/tests")
   FAST=()
   FAST_WORKERS=8
+  MEMORY+=(--device cuda)
 fi
 ARCHS=(--step-arch transformer_iwslt_de_en transformer_vaswani_wmt_en_de_big)
 
@@ -153,7 +160,7 @@ stage attendout "$(box ATTENDOUT 60)" "${ATTENDOUT[@]}" "${ATTENDOUT_STEP[@]}" \
     "${ATTENDOUT_PRUNING[@]}" --work "$WORK/attendout" --json "$WORK/attendout_pruning.json" ||
   true
 
-say "2/2 correctness, side by side: the CUDA tests, fp16 training, the core tier"
+say "2/2 side by side: the CUDA tests, fp16 training, the core tier, the recipes' memory"
 fp16_run() {
   local data=$WORK/libreoffice train=(--fp16) log=$WORK/fp16_train.log
   local prepare=("$PYTHON" -m rdrop_fairseq.recipes.prepare_translation --out "$data")
@@ -200,6 +207,7 @@ fp16_run &
 stage fast_tier "$(box FAST_TIER 150)" env TEST_PYTHON="$PYTHON" TEST_WORKERS=$FAST_WORKERS \
   bash "$REPO/scripts/test.sh" --fast -q -p no:cacheprovider --junitxml "$OUT/fast-tier.xml" \
   "${FAST[@]}" &
+stage recipe_memory "$(box RECIPE_MEMORY 150)" "${MEMORY[@]}" --json "$WORK/recipe_memory.json" &
 wait
 [ "$DRY" = 1 ] && exit 0
 

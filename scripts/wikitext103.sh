@@ -21,6 +21,7 @@ case $ARCH in
   adaptive) CONFIG=transformer_lm_wiki103_rdrop ;;
   *) die "ARCH must be gpt or adaptive, not '$ARCH'" ;;
 esac
+MEMORY_RECIPE=wikitext103-$ARCH  # its rows of the measured memory (split_batch)
 DATA_DIR=${DATA_DIR:-work/wikitext-103}
 SAVE_DIR=${SAVE_DIR:-checkpoints/wikitext103.$ARCH.$MODE.seed$SEED}
 parse_stage "$@"

@@ -410,11 +410,16 @@ def gpu_check_dry_run(tmp_path, **env):
 def test_gpu_check_dry_run_prints_every_stage_with_its_time_box(tmp_path):
     boxes, by_stage = gpu_check_dry_run(tmp_path)
     assert set(boxes) == {"loss", "step", "attendout", "attendout_pruning", "cuda_tests",
-                          "prepare", "fp16_train", "fast_tier"}, boxes
+                          "prepare", "fp16_train", "fast_tier", "recipe_memory"}, boxes
     # one 8-minute call: the measurements one after the other, then the rest side by side
+    # (the recipes' memory too: an allocator's peak is its own process's)
     serial = sum(boxes[s] for s in ("loss", "step", "attendout", "attendout_pruning"))
-    side = max(boxes["cuda_tests"], boxes["prepare"] + boxes["fp16_train"], boxes["fast_tier"])
+    side = max(boxes["cuda_tests"], boxes["prepare"] + boxes["fp16_train"], boxes["fast_tier"],
+               boxes["recipe_memory"])
     assert serial + side + 60 <= 8 * 60, boxes  # the set-up's box (WHEELS) included
+    memory = by_stage["recipe_memory"]
+    assert memory[1].endswith("bench_recipe_memory.py") and "--tiny" not in memory
+    assert memory[memory.index("--device") + 1] == "cuda" and "--recipes" not in memory
     assert by_stage["cuda_tests"][1:5] == ["-m", "pytest", "-m", "cuda"]
     train = by_stage["fp16_train"]
     assert "--fp16" in train and train[train.index("--criterion") + 1] == (
@@ -460,7 +465,7 @@ def test_gpu_check_bad_variables_are_one_line_errors(tmp_path, env, message):
 @pytest.mark.slow
 def test_gpu_check_cpu_smoke_runs_every_stage_time_boxed_into_eight_files(tmp_path):
     """CPU_SMOKE=1: every stage at toy sizes on the CPU (Triton's interpreter for the
-    kernel), as on a GPU: its results in at most 8 files (what comes back from a GPU
+    kernel; the recipes' memory for IWSLT alone), as on a GPU: its results in at most 8 files (what comes back from a GPU
     machine), the tables and the profiles in them. One stage gets a time box of 1 s
     (T_ATTENDOUT_PRUNING=1; it needs about 5 s): it is cut, reported as timed out, the
     stages after it still run, and the check exits with 1."""
@@ -480,7 +485,7 @@ def test_gpu_check_cpu_smoke_runs_every_stage_time_boxed_into_eight_files(tmp_pa
         r"^\| (\w+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", table, re.M)}
     assert list(stages) == [
         "loss", "step", "attendout", "attendout_pruning", "cuda_tests", "prepare",
-        "fp16_train", "fp16_check", "fast_tier"], summary
+        "fp16_train", "fp16_check", "fast_tier", "recipe_memory"], summary
     cut = stages.pop("attendout_pruning")
     assert cut[0] == "timed out" and cut[2] == "1" and int(cut[1]) <= 3, cut
     assert "attendout_pruning: timed out" in proc.stdout
@@ -493,6 +498,11 @@ def test_gpu_check_cpu_smoke_runs_every_stage_time_boxed_into_eight_files(tmp_pa
     sweep = {r["method"]: r["pairs"] for r in bench["loss"] if "pairs" in r}
     assert sweep["ours-fused-linear:0.01"] < sweep["ours-fused-linear:0.1"], sweep
     assert len(bench["step"]) == 6  # 2 archs x floor, upstream, ours-triton
+    # the recipes' memory: IWSLT's path on the CPU (tiny), its rows for 'record'
+    rows = bench["recipe_memory"]["rows"]
+    assert [(r["recipe"], r["max_tokens"]) for r in rows] == [("iwslt14", 4096),
+                                                             ("iwslt14", 2048)], rows
+    assert "### The recipes' memory (recipe_memory)" in summary and "| iwslt14 | 4096 |" in summary
     assert set(json.loads((out / "bench_attendout.json").read_text())) == {"attendout"}
     profiles = (out / "profile.txt").read_text()
     assert profiles.count("## ") == 6 and "per step" in profiles

@@ -147,7 +147,8 @@ run_stages() {
 # CPU=1: the CPU). Sets DEVICE_ARGS (hydra overrides: device, precision, distributed
 # training), EVAL_DEVICE (--cpu or nothing) and DEVICES (the data-parallel workers over all
 # nodes).
-# fp16 on GPUs as the authors trained (BF16=1: bf16; FP16=0: fp32).
+# fp16 on GPUs as the authors trained (BF16=1: bf16; FP16=0: fp32): PRECISION (fp16, bf16,
+# fp32; empty on the CPU). GPU_MEMORY_MIB: the smallest GPU's memory (nvidia-smi), if known.
 # Several nodes: fairseq's own --distributed-* (fairseq spawns one process per GPU of the
 # node), the same command on every node with its NODE_RANK.
 detect_devices() {
@@ -162,6 +163,7 @@ detect_devices() {
   fi
   [[ $GPUS =~ ^[0-9]+$ ]] || die "GPUS must be a number of GPUs (0: the CPU), not '$GPUS'"
   [ "${CPU:-0}" = 1 ] && GPUS=0
+  PRECISION="" GPU_MEMORY_MIB=""
   if [ "$GPUS" = 0 ]; then
     [ "$NODES" = 1 ] || die "NODES=$NODES needs GPUs (GPUS=0 or CPU=1 trains on this CPU only)"
     DEVICES=1
@@ -178,10 +180,15 @@ sys.exit(torch.cuda.device_count() < $GPUS)" 2>/dev/null; then
   DEVICES=$(( GPUS * NODES ))
   EVAL_DEVICE=()
   DEVICE_ARGS=(distributed_training.distributed_world_size=$DEVICES)
+  PRECISION=fp32
   if [ "${BF16:-0}" = 1 ]; then
-    DEVICE_ARGS+=(common.bf16=true)
+    DEVICE_ARGS+=(common.bf16=true) PRECISION=bf16
   elif [ "${FP16:-1}" = 1 ]; then
-    DEVICE_ARGS+=(common.fp16=true)
+    DEVICE_ARGS+=(common.fp16=true) PRECISION=fp16
+  fi
+  if command -v nvidia-smi >/dev/null; then
+    GPU_MEMORY_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits \
+                     2>/dev/null | grep -E '^ *[0-9]+ *$' | sort -n | head -n 1 | tr -d ' ' || true)
   fi
   if [ "$NODES" -gt 1 ]; then
     [ -n "${MASTER_ADDR:-}" ] || die "NODES=$NODES needs MASTER_ADDR (the address of node 0)"
@@ -213,9 +220,12 @@ set_mode() {
 # DEVICES x UPDATE_FREQ x MAX_TOKENS = TOTAL, the paper's tokens per update: the paper's
 # tokens per GPU batch and more update-freq on fewer GPUs; fewer tokens per batch where
 # more GPUs than the paper's hold the whole batch (not below MIN_TOKENS). UPDATE_FREQ /
-# MAX_TOKENS from the environment win. doubled-batch then doubles MAX_TOKENS.
+# MAX_TOKENS from the environment win. Where the recipe's memory was measured, a split of
+# our own is halved (MAX_TOKENS / 2, UPDATE_FREQ x 2) until it fits the GPUs (memory_fit).
+# doubled-batch then doubles MAX_TOKENS.
 split_batch() {
-  local total=$1 paper=$2 min=${3:-1}
+  local total=$1 paper=$2 min=${3:-1} ours=0
+  [ -n "${MAX_TOKENS:-}" ] || [ -n "${UPDATE_FREQ:-}" ] || ours=1
   local fix="set UPDATE_FREQ and/or MAX_TOKENS (GPUS x NODES x UPDATE_FREQ x MAX_TOKENS = $total)"
   if [ -n "${MAX_TOKENS:-}" ] && [ -z "${UPDATE_FREQ:-}" ]; then
     (( total % (DEVICES * MAX_TOKENS) == 0 )) ||
@@ -237,12 +247,99 @@ split_batch() {
           "into batches of $paper: $fix"
     fi
   fi
+  memory_fit "$ours" "$min"
   local per_update=$(( DEVICES * UPDATE_FREQ * MAX_TOKENS * BATCH_FACTOR )) note=""
   MAX_TOKENS=$(( MAX_TOKENS * BATCH_FACTOR ))
   (( BATCH_FACTOR == 1 )) || note=", doubled by MODE=doubled-batch"
   case $MODE in rdrop|no-kl) note+="; R-Drop runs each batch twice" ;; esac
   say "batch: $DEVICES device(s) x update-freq $UPDATE_FREQ x max-tokens $MAX_TOKENS" \
       "= $per_update tokens per update (the paper's: $total$note)"
+}
+
+# The recipes' measured memory (benchmarks/bench_recipe_memory.py; RECIPE_MEMORY: another
+# table). MEMORY_RECIPE: the recipe's rows (default the script's name). Only rows measured
+# in this run's precision count; without one nothing here prints or changes anything.
+RECIPE_MEMORY=${RECIPE_MEMORY:-$REPO/benchmarks/results/recipe_memory.tsv}
+
+# memory_need TOKENS: "GIB<tab>DEVICE": what one GPU needs for a training step at TOKENS per
+# GPU: the allocator's peak (reserved_gib) at TOKENS, or on the line through the two nearest
+# measured rows (one row: its figure, for at most its tokens), + 1 GiB for the CUDA context
+# and libraries, + the fp16 gradients once more on several GPUs (DDP's buckets). Nothing
+# without a figure.
+memory_need() {
+  [ -n "${PRECISION:-}" ] && [ -r "$RECIPE_MEMORY" ] || return 0
+  awk -F'\t' -v key="${MEMORY_RECIPE:-$RECIPE}" -v prec="$PRECISION" -v t="$1" \
+      -v devices="${DEVICES:-1}" '
+    !/^#/ && $1 == key && $3 == prec && $2 ~ /^[0-9]+$/ && $6 ~ /^[0-9.]+$/ {
+      n++; tok[n] = $2 + 0; gib[n] = $6 + 0; par[n] = $8 + 0; dev[n] = $9 }
+    END {
+      if (!n) exit
+      for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (tok[j] < tok[i]) {
+        x = tok[i]; tok[i] = tok[j]; tok[j] = x; x = gib[i]; gib[i] = gib[j]; gib[j] = x
+        x = par[i]; par[i] = par[j]; par[j] = x; x = dev[i]; dev[i] = dev[j]; dev[j] = x }
+      a = 1; while (a < n && tok[a + 1] <= t) a++  # the row at or below t (or the first)
+      if (tok[a] == t || (n == 1 && t < tok[1])) est = gib[a]
+      else if (n == 1) exit  # above the only row: no figure
+      else {
+        if (a == n) a = n - 1
+        est = gib[a] + (gib[a + 1] - gib[a]) * (t - tok[a]) / (tok[a + 1] - tok[a])
+      }
+      if (est < 0) est = 0
+      need = est + 1 + (devices > 1 ? par[a] * 2 / 2^30 : 0)
+      printf "%.1f\t%s\n", need, dev[a]
+    }' "$RECIPE_MEMORY"
+}
+
+# memory_cards GIB: which card sizes (GB: 10^9 bytes) hold GIB
+memory_cards() {
+  awk -v need="$1" 'BEGIN {
+    split("16 24 32 40 48 80", gb, " ")
+    for (i = 1; i <= 6; i++)
+      if (need <= gb[i] * 1e9 / 2^30) fit = fit (fit ? ", " : "") gb[i]
+      else no = no (no ? ", " : "") gb[i]
+    if (!fit) print "fits none of the 16 to 80 GB cards"
+    else print "fits " fit " GB cards" (no ? "; not " no " GB" : "")
+  }'
+}
+
+# memory_line TOKENS: say what a step at TOKENS per GPU needs and which cards hold it
+memory_line() {
+  local need device
+  IFS=$'\t' read -r need device < <(memory_need "$1") || true
+  [ -n "$need" ] || return 0
+  say "memory: about $need GiB per GPU at max-tokens $1 ($PRECISION, measured on $device:" \
+      "benchmarks/bench_recipe_memory.py): $(memory_cards "$need")"
+}
+
+# memory_fit OURS MIN_TOKENS: where the GPUs' memory (nvidia-smi) would not hold a step at
+# MAX_TOKENS and the split is ours (OURS=1: the user set neither MAX_TOKENS nor
+# UPDATE_FREQ), halve MAX_TOKENS and double UPDATE_FREQ (the tokens per update stay) while
+# that fits MIN_TOKENS; then memory_line. Nothing without a figure.
+memory_fit() {
+  local ours=$1 min=$2 need device tokens=$MAX_TOKENS freq=$UPDATE_FREQ
+  IFS=$'\t' read -r need device < <(memory_need "$MAX_TOKENS") || true
+  [ -n "$need" ] || return 0
+  if [ -n "${GPU_MEMORY_MIB:-}" ]; then
+    local gpu_gib
+    gpu_gib=$(awk -v m="$GPU_MEMORY_MIB" 'BEGIN { printf "%.1f", m / 1024 }')
+    local less
+    while [ "$ours" = 1 ] && awk -v n="$need" -v g="$gpu_gib" 'BEGIN { exit !(n > g) }' &&
+          (( MAX_TOKENS % 2 == 0 && MAX_TOKENS / 2 >= min )); do
+      IFS=$'\t' read -r less device < <(memory_need $(( MAX_TOKENS / 2 ))) || true
+      # a figure below the last one (not a single row's upper bound)
+      [ -n "$less" ] && awk -v l="$less" -v n="$need" 'BEGIN { exit !(l < n) }' || break
+      MAX_TOKENS=$(( MAX_TOKENS / 2 )) UPDATE_FREQ=$(( UPDATE_FREQ * 2 )) need=$less
+    done
+    [ "$MAX_TOKENS" = "$tokens" ] ||
+      say "memory: max-tokens $tokens -> $MAX_TOKENS, update-freq $freq -> $UPDATE_FREQ:" \
+          "the GPUs have $gpu_gib GiB (nvidia-smi)"
+    if awk -v n="$need" -v g="$gpu_gib" 'BEGIN { exit !(n > g) }'; then
+      say "memory: warning: about $need GiB per GPU at max-tokens $MAX_TOKENS, more than" \
+          "the GPUs' $gpu_gib GiB (nvidia-smi): a lower MAX_TOKENS, UPDATE_FREQ keeping the" \
+          "tokens per update, fits"
+    fi
+  fi
+  memory_line "$MAX_TOKENS"
 }
 
 # glue_task: TASK in the GLUE table's spelling (any case accepted), and SETTINGS its row of

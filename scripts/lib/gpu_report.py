@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh's report: OUT/summary.md (the machine and versions, each stage's
 status and time, every table), and the stages' scattered outputs gathered into the few
-files that come back from a GPU machine: gpu-check.log, bench_rdrop.json,
-bench_attendout.json.
+files that come back from a GPU machine: gpu-check.log, bench_rdrop.json (the recipes'
+memory rows too, under "recipe_memory"), bench_attendout.json.
 
     python scripts/lib/gpu_report.py WORK OUT DEVICE
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 # the stages in the order gpu_check.sh runs them, and their logs (WORK/NAME.log)
 ORDER = ["setup", "loss", "step", "attendout", "attendout_pruning", "cuda_tests", "prepare",
-         "fp16_train", "fp16_check", "fast_tier"]
+         "fp16_train", "fp16_check", "fast_tier", "recipe_memory"]
 
 
 def versions(device):
@@ -46,6 +46,23 @@ def last_line(path, starting=None):
     return lines[-1] if lines else None
 
 
+def memory_table(work):
+    """bench_recipe_memory.py's rows as a markdown table, and how they reach the scripts."""
+    path = work / "recipe_memory.json"
+    if not path.is_file():
+        return ["(no rows: see gpu-check.log)"]
+    result = json.loads(path.read_text())
+    columns = ["recipe", "max_tokens", "batch", "precision", "peak_gib", "reserved_gib",
+               "state_gib", "params", "baseline_gib", "overflows", "seconds"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row.get(c)) for c in columns) + " |"
+              for row in result["rows"]]
+    if result.get("failed"):
+        lines += ["", f"Failed: {', '.join(result['failed'])} (gpu-check.log)."]
+    return lines + ["", "Into benchmarks/results/recipe_memory.tsv (what the recipe scripts "
+                    "read): `python benchmarks/bench_recipe_memory.py record bench_rdrop.json`."]
+
+
 def main(work, out, device):
     work, out = Path(work), Path(out)
     stages = [line.split("\t") for line in (work / "stages.tsv").read_text().splitlines()]
@@ -64,13 +81,14 @@ def main(work, out, device):
             md += ["", f"### AttendOut ({name})", "", table]
     for name in ("cuda_tests", "fast_tier"):
         md += ["", f"{name}: {last_line(work / f'{name}.log') or '(no output)'}"]
+    md += ["", "### The recipes' memory (recipe_memory)", "", *memory_table(work)]
     (out / "summary.md").write_text("\n".join(md) + "\n")
 
     with open(out / "gpu-check.log", "w") as log:
         for name in ORDER:
             if (work / f"{name}.log").is_file():
                 log.write(f"===== {name}\n{(work / f'{name}.log').read_text(errors='replace')}\n")
-    for target, parts in (("bench_rdrop.json", ("loss", "step")),
+    for target, parts in (("bench_rdrop.json", ("loss", "step", "recipe_memory")),
                           ("bench_attendout.json", ("attendout", "attendout_pruning"))):
         merged = {p: json.loads((work / f"{p}.json").read_text())
                   for p in parts if (work / f"{p}.json").is_file()}
