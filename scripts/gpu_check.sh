@@ -2,7 +2,7 @@
 # The GPU check: what a user with an NVIDIA GPU runs first, and what this project runs
 # whenever it is lent one. Sized for one 8-minute call on a fresh machine, fairseq's
 # import included: every stage has a time box (T_<STAGE> seconds, e.g. T_LOSS=75; the
-# defaults add up to 7m40s with WHEELS's set-up), a stage that runs out is cut (its
+# defaults add up to 7m00s, 8m00s with WHEELS's set-up), a stage that runs out is cut (its
 # processes killed), reported as timed out, and the next one starts.
 #
 #   bash scripts/gpu_check.sh            # results in OUT (default work/gpu-check)
@@ -24,6 +24,10 @@
 #   attendout  benchmarks/bench_attendout.py at roberta-base's shape in fp16 (12 x 768,
 #              batch 16 x 256): each method's step, pruned inference, and the pruning
 #              step's memory for T = 1 and 8 cached batches;
+#   hf         benchmarks/bench_hf.py: RDropTrainer under bf16 autocast at a Llama-3-8B
+#              head's shape (hidden 4,096, V = 128,256, one layer), 8,192 tokens per pass,
+#              through the logits (impl auto: the Triton kernel) and the fused path,
+#              against a plain Trainer step on the doubled batch: time and peak memory;
 # then, side by side (correctness and memory, not timing):
 #   cuda_tests pytest -m cuda;
 #   fp16       the LibreOffice corpus prepared, FP16_UPDATES (300) fp16 updates of R-Drop
@@ -54,7 +58,7 @@ FULL=${FULL:-0}
 DRY=${DRY_RUN:-0}
 FP16_UPDATES=${FP16_UPDATES:-$([ "$SMOKE" = 1 ] && echo 4 || echo 300)}
 [[ $FP16_UPDATES =~ ^[1-9][0-9]*$ ]] || die "FP16_UPDATES must be a whole number >= 1"
-for var in T_SETUP T_LOSS T_STEP T_ATTENDOUT T_ATTENDOUT_PRUNING T_CUDA_TESTS T_PREPARE \
+for var in T_SETUP T_LOSS T_STEP T_ATTENDOUT T_ATTENDOUT_PRUNING T_HF T_CUDA_TESTS T_PREPARE \
            T_FP16_TRAIN T_FAST_TIER T_RECIPE_MEMORY; do
   [ -z "${!var:-}" ] || [[ ${!var} =~ ^[1-9][0-9]*$ ]] ||
     die "$var must be a whole number of seconds >= 1 (the stage's time box), not '${!var}'"
@@ -108,6 +112,7 @@ fi
 BENCH=("$PYTHON" "$REPO/benchmarks/bench_rdrop.py")
 ATTENDOUT=("$PYTHON" "$REPO/benchmarks/bench_attendout.py")
 MEMORY=("$PYTHON" "$REPO/benchmarks/bench_recipe_memory.py")
+HF=("$PYTHON" "$REPO/benchmarks/bench_hf.py" --heads causal-lm --bf16 --rounds 1 --one-process)
 if [ "$SMOKE" = 1 ]; then
   # ours-triton in Triton's interpreter (a program per row, each ~35 ms: 16 tokens in the
   # loss, one 16-token sentence in the step); each table in this process as on CUDA
@@ -124,6 +129,7 @@ if [ "$SMOKE" = 1 ]; then
   FAST=(-k test_bad_input_is_refused)
   FAST_WORKERS=0
   MEMORY+=(--device cpu --tiny --recipes iwslt14)  # the path, at a 1-layer model's size
+  HF+=(--device cpu --shape tiny --batch 1 --length 16 --steps 1)
 else
   BENCH+=(--device cuda)
   LOSS=(--dtype bfloat16 float16 --vocab 32000 267744 --tokens 8192 --projection 1024
@@ -145,6 +151,7 @@ else
   FAST=()
   FAST_WORKERS=8
   MEMORY+=(--device cuda)
+  HF+=(--device cuda --shape llama3-8b-head --batch 1 --length 8192 --steps 2)
 fi
 ARCHS=(--step-arch transformer_iwslt_de_en transformer_vaswani_wmt_en_de_big)
 
@@ -159,6 +166,7 @@ stage attendout "$(box ATTENDOUT 60)" "${ATTENDOUT[@]}" "${ATTENDOUT_STEP[@]}" \
   stage attendout_pruning "$(box ATTENDOUT_PRUNING 30)" "${ATTENDOUT[@]}" \
     "${ATTENDOUT_PRUNING[@]}" --work "$WORK/attendout" --json "$WORK/attendout_pruning.json" ||
   true
+stage hf "$(box HF 20)" "${HF[@]}" --json "$WORK/hf.json" || true
 
 say "2/2 side by side: the CUDA tests, fp16 training, the core tier, the recipes' memory"
 fp16_run() {

@@ -409,11 +409,11 @@ def gpu_check_dry_run(tmp_path, **env):
 
 def test_gpu_check_dry_run_prints_every_stage_with_its_time_box(tmp_path):
     boxes, by_stage = gpu_check_dry_run(tmp_path)
-    assert set(boxes) == {"loss", "step", "attendout", "attendout_pruning", "cuda_tests",
+    assert set(boxes) == {"loss", "step", "attendout", "attendout_pruning", "hf", "cuda_tests",
                           "prepare", "fp16_train", "fast_tier", "recipe_memory"}, boxes
     # one 8-minute call: the measurements one after the other, then the rest side by side
     # (the recipes' memory too: an allocator's peak is its own process's)
-    serial = sum(boxes[s] for s in ("loss", "step", "attendout", "attendout_pruning"))
+    serial = sum(boxes[s] for s in ("loss", "step", "attendout", "attendout_pruning", "hf"))
     side = max(boxes["cuda_tests"], boxes["prepare"] + boxes["fp16_train"], boxes["fast_tier"],
                boxes["recipe_memory"])
     assert serial + side + 60 <= 8 * 60, boxes  # the set-up's box (WHEELS) included
@@ -421,6 +421,10 @@ def test_gpu_check_dry_run_prints_every_stage_with_its_time_box(tmp_path):
     assert memory[1].endswith("bench_recipe_memory.py") and "--tiny" not in memory
     assert memory[memory.index("--device") + 1] == "cuda" and "--recipes" not in memory
     assert by_stage["cuda_tests"][1:5] == ["-m", "pytest", "-m", "cuda"]
+    hf = by_stage["hf"]  # RDropTrainer in bf16 at a Llama-3-8B head's shape, on the GPU
+    assert hf[1].endswith("bench_hf.py") and "--bf16" in hf and "--one-process" in hf
+    assert hf[hf.index("--shape") + 1] == "llama3-8b-head"
+    assert hf[hf.index("--length") + 1] == "8192" and hf[hf.index("--device") + 1] == "cuda"
     train = by_stage["fp16_train"]
     assert "--fp16" in train and train[train.index("--criterion") + 1] == (
         "label_smoothed_cross_entropy_rdrop")
@@ -484,7 +488,7 @@ def test_gpu_check_cpu_smoke_runs_every_stage_time_boxed_into_eight_files(tmp_pa
     stages = {name: (status, seconds, box) for name, status, seconds, box in re.findall(
         r"^\| (\w+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", table, re.M)}
     assert list(stages) == [
-        "loss", "step", "attendout", "attendout_pruning", "cuda_tests", "prepare",
+        "loss", "step", "attendout", "attendout_pruning", "hf", "cuda_tests", "prepare",
         "fp16_train", "fp16_check", "fast_tier", "recipe_memory"], summary
     cut = stages.pop("attendout_pruning")
     assert cut[0] == "timed out" and cut[2] == "1" and int(cut[1]) <= 3, cut
@@ -504,6 +508,10 @@ def test_gpu_check_cpu_smoke_runs_every_stage_time_boxed_into_eight_files(tmp_pa
                                                              ("iwslt14", 2048)], rows
     assert "### The recipes' memory (recipe_memory)" in summary and "| iwslt14 | 4096 |" in summary
     assert set(json.loads((out / "bench_attendout.json").read_text())) == {"attendout"}
+    # the Hugging Face stage: its three methods, and its table in the summary
+    assert [r["method"] for r in bench["hf"]["rows"]] == ["floor", "rdrop", "rdrop-fused"]
+    assert "### Hugging Face: RDropTrainer, bf16 (hf)" in summary
+    assert "| causal-lm | **RDropTrainer**, fused linear |" in summary
     profiles = (out / "profile.txt").read_text()
     assert profiles.count("## ") == 6 and "per step" in profiles
     assert "| ours-fused-linear:0.1 (" in summary and "### AttendOut (attendout)" in summary

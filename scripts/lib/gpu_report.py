@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 # the stages in the order gpu_check.sh runs them, and their logs (WORK/NAME.log)
-ORDER = ["setup", "loss", "step", "attendout", "attendout_pruning", "cuda_tests", "prepare",
+ORDER = ["setup", "loss", "step", "attendout", "attendout_pruning", "hf", "cuda_tests", "prepare",
          "fp16_train", "fp16_check", "fast_tier", "recipe_memory"]
 
 
@@ -44,6 +44,16 @@ def last_line(path, starting=None):
         first = next((i for i, line in enumerate(lines) if line.startswith(starting)), None)
         return None if first is None else "\n".join(lines[first:])
     return lines[-1] if lines else None
+
+
+def last_block(path, starting):
+    """The lines of ``path`` from the last one beginning with ``starting`` on (a markdown
+    table a benchmark printed), or None."""
+    if not path.is_file():
+        return None
+    lines = path.read_text(errors="replace").splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(starting)]
+    return "\n".join(lines[starts[-1]:]).strip() if starts else None
 
 
 def memory_table(work):
@@ -79,6 +89,8 @@ def main(work, out, device):
         table = last_line(work / f"{name}.log", starting="Shape:")
         if table:
             md += ["", f"### AttendOut ({name})", "", table]
+    hf = last_block(work / "hf.log", starting="batch ")
+    md += ["", "### Hugging Face: RDropTrainer, bf16 (hf)", "", hf or "(no table: gpu-check.log)"]
     for name in ("cuda_tests", "fast_tier"):
         md += ["", f"{name}: {last_line(work / f'{name}.log') or '(no output)'}"]
     md += ["", "### The recipes' memory (recipe_memory)", "", *memory_table(work)]
@@ -88,7 +100,7 @@ def main(work, out, device):
         for name in ORDER:
             if (work / f"{name}.log").is_file():
                 log.write(f"===== {name}\n{(work / f'{name}.log').read_text(errors='replace')}\n")
-    for target, parts in (("bench_rdrop.json", ("loss", "step", "recipe_memory")),
+    for target, parts in (("bench_rdrop.json", ("loss", "step", "recipe_memory", "hf")),
                           ("bench_attendout.json", ("attendout", "attendout_pruning"))):
         merged = {p: json.loads((work / f"{p}.json").read_text())
                   for p in parts if (work / f"{p}.json").is_file()}
