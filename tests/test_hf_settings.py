@@ -323,3 +323,39 @@ def test_token_accuracy_counts_both_passes_highest_logits():
     torch.manual_seed(7)
     fused = rdrop_hf_loss(model, inputs, kind="causal", accuracy=True, fused_linear=True)
     assert int(fused.correct) == want
+
+
+def test_qwen2_vl_flattened_patches_are_doubled_with_their_grids():
+    """Qwen2-VL: two examples' images as one (20, 12) block of patches with their grids
+    (16 and 4 patches) and the multimodal rotary positions it computes from them: at
+    alpha 0 R-Drop's loss is twice the model's own; the patches in another order give
+    another loss. Its text-only probe reads it as causal."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=99, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2,
+                           patch_size=2, temporal_patch_size=1, spatial_merge_size=1),
+        image_token_id=97, video_token_id=96, vision_start_token_id=95,
+        vision_end_token_id=94)
+    torch.manual_seed(0)
+    model = quiet(Qwen2VLForConditionalGeneration, config).eval()
+    assert hf.model_kind(model) == "causal"
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 90, (2, 24), generator=g)
+    ids[0, 1], ids[0, 2:18], ids[0, 18] = 95, 97, 94  # a 4 x 4 image
+    ids[1, 3], ids[1, 4:8], ids[1, 8] = 95, 97, 94  # a 2 x 2 image
+    patches = torch.randn(20, 12, generator=g)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+              "mm_token_type_ids": ids.eq(97).long(), "pixel_values": patches,
+              "image_grid_thw": torch.tensor([[1, 4, 4], [1, 2, 2]]),
+              "labels": torch.where(ids.ge(94), -100, ids)}
+    with torch.no_grad():
+        own = model(**inputs).loss
+        ours = rdrop_hf_loss(model, inputs, kind="causal", alpha=0.0).loss
+        swapped = rdrop_hf_loss(model, {**inputs, "pixel_values": patches.flip(0)},
+                                kind="causal", alpha=0.0).loss
+    assert float(ours) == pytest.approx(2 * float(own), rel=1e-6)
+    assert abs(float(swapped) - float(ours)) > 1e-4
