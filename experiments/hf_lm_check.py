@@ -8,6 +8,7 @@ RDropTrainer (R-Drop), over seeds, next to the same comparison through fairseq
     python -m experiments.hf_lm_check --work work/hf-lm                # fetches the addresses
     python -m experiments.hf_lm_check --work work/hf-lm --data work/lm2/data   # sotu_lm_check's
     python -m experiments.hf_lm_check --work work/hf-lm --seeds 1 --modes rdrop --max-epoch 2
+    python -m experiments.hf_lm_check --work work/hf-lm --modes baseline-2x   # R-Drop's compute
 
 The same as sotu_lm_check's fairseq runs: the data (experiments.prepare_sotu's split by
 address, its word-level dictionary of 4,625 words, `</s>` ending each line, read from its
@@ -60,7 +61,10 @@ from .common import DecayAll, mode_rows, step_timer, train_in_process
 from .prepare_sotu import SOTU_URL
 from .sotu_lm_check import MAX_EPOCH, PATIENCE, SEEDS, SINCE, TOKENS_PER_SAMPLE
 
-MODES = ("baseline", "rdrop")
+# baseline-2x: the baseline with R-Drop's compute, each epoch going over the training blocks
+# twice (twice the updates between validations, the same early stopping); not run by default
+MODES = ("baseline", "rdrop", "baseline-2x")
+DEFAULT_MODES = ("baseline", "rdrop")
 BLOCKS_PER_BATCH = 2048 // TOKENS_PER_SAMPLE  # sotu_lm_check's MAX_TOKENS
 MODEL = dict(n_layer=2, n_embd=192, n_head=4, n_inner=768, activation_function="gelu",
              resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
@@ -220,7 +224,8 @@ def train_one(a):
         disable_tqdm=True, dataloader_num_workers=0)
     one_pass, rdrop = trainer_classes()
     timer = step_timer()
-    common = dict(model=model, args=args, train_dataset=blocks(train, eos),
+    train_blocks = blocks(train, eos) * (2 if mode == "baseline-2x" else 1)
+    common = dict(model=model, args=args, train_dataset=train_blocks,
                   eval_dataset=blocks(valid, eos), data_collator=partial(collate, pad=pad),
                   callbacks=[EarlyStoppingCallback(early_stopping_patience=a.patience), timer])
     trainer = (rdrop(**common, rdrop_alpha=a.alpha, rdrop_fused_linear=a.fused_linear)
@@ -317,7 +322,9 @@ def parse_args(argv):
                         "(default: %(default)s)")
     p.add_argument("--since", type=int, default=SINCE, help="default: %(default)s")
     p.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                   help="default: baseline rdrop; baseline-2x: the baseline with R-Drop's "
+                        "compute (each epoch over the training blocks twice)")
     p.add_argument("--alpha", type=float, default=ALPHA, help="default: %(default)s")
     p.add_argument("--no-fused-linear", dest="fused_linear", action="store_false",
                    help="R-Drop through the logits instead of the fused-linear loss")

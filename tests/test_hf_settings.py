@@ -359,3 +359,24 @@ def test_qwen2_vl_flattened_patches_are_doubled_with_their_grids():
                                 kind="causal", alpha=0.0).loss
     assert float(ours) == pytest.approx(2 * float(own), rel=1e-6)
     assert abs(float(swapped) - float(ours)) > 1e-4
+
+
+def test_eval_loss_is_the_models_mean_over_the_tokens_it_predicts(tmp_path):
+    """GPT-2 (its forward takes loss arguments) in batches of unequal labelled tokens:
+    RDropTrainer's eval_loss is the mean, over the evaluation batches, of the model's
+    cross-entropy per predicted token, computed here; no item count reaches the model (a
+    count of every label would make it 1/L low) and nothing multiplies it."""
+    model = tiny("gpt2", dropout=0.0)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, V, (4, 7), generator=g)
+    labels = ids.clone()
+    labels[2:, 4:] = -100
+    data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(4)]
+    got = make(model, tmp_path, per_device_eval_batch_size=2).evaluate(data)["eval_loss"]
+    model.eval()
+    means = []
+    with torch.no_grad():
+        for rows in (slice(0, 2), slice(2, 4)):
+            logits = model(input_ids=ids[rows]).logits[:, :-1].double()
+            means.append(F.cross_entropy(logits.flatten(0, 1), labels[rows, 1:].flatten()))
+    assert got == pytest.approx(float(sum(means) / 2), rel=1e-5)

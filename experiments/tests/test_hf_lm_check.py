@@ -91,6 +91,13 @@ def test_both_arms_end_to_end_then_reused(sotu_bin, tmp_path):
     # rerun: the finished runs are read back, nothing trains
     again = run(cmd).stdout
     assert again.count("done before, reused") == 2 and "training" not in again
+    # baseline-2x: R-Drop's compute, each epoch over the blocks twice: one epoch of it makes
+    # the updates two of the baseline's make
+    run([*cmd[:cmd.index("--max-epoch")], "--max-epoch", "1", "--jobs", "1", "--modes",
+         "baseline-2x"])
+    doubled = json.loads((work / "runs" / "baseline-2x-s1" / "result.json").read_text())
+    assert doubled["epochs"] == 1
+    assert doubled["updates_timed"] == runs["baseline"]["updates_timed"]
 
 
 @pytest.mark.parametrize("args, message", [
