@@ -45,8 +45,8 @@ from transformers import Seq2SeqTrainer, Trainer
 from .core import (IMPLS, RDropBatchError, chunk_budget_mb, duplicate_net_input,
                    mse_consistency, rdrop_loss)
 from .fused_linear import fused_linear_rdrop_loss
-from .hf_kind import (IGNORE_INDEX, KINDS, _decoder_inputs, _is, _logits_of, _router_loss,
-                      _takes, _unwrap, read_kind)
+from .hf_kind import (IGNORE_INDEX, KINDS, _decoder_inputs, _is, _logits_of, _probe_call,
+                      _router_loss, _takes, _unwrap, read_kind)
 
 __all__ = ["RDropMixin", "RDropTrainer", "RDropSeq2SeqTrainer", "rdrop_hf_loss", "model_kind",
            "labelled_items", "declare_loss_scaling", "warmup_arguments", "TRANSFORMERS_RANGE"]
@@ -127,7 +127,7 @@ def labelled_items(labels, causal=False):
     examples of a regression batch (float labels), else labels other than -100 (for a
     causal LM, from the second position on: the model predicts token t+1 at t)."""
     if labels.is_floating_point():
-        return torch.tensor(labels.size(0), device=labels.device)
+        return torch.full((), labels.size(0), device=labels.device)  # a fill: no copy
     if causal:
         labels = labels[..., 1:]
     return labels.ne(IGNORE_INDEX).sum()
@@ -135,7 +135,8 @@ def labelled_items(labels, causal=False):
 
 def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
                   num_items_in_batch=None, world_size=1, impl="auto", fused_linear=False,
-                  chunk_mb=0.0, grad_in_scores="auto", check_labels=False, accuracy=False):
+                  chunk_mb=0.0, grad_in_scores="auto", check_labels=False, accuracy=False,
+                  accumulation_steps=1):
     """R-Drop's training loss of one batch of a Hugging Face model (the trainers' own code),
     for a loop of your own::
 
@@ -149,7 +150,11 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     one pass (:func:`labelled_items`) summed over the accumulated micro-batches and the
     processes; None: this batch's. ``world_size``: the processes whose gradients DDP
     averages when the count is over all of them (the loss is multiplied by it, so that the
-    average is the whole batch's gradient). ``impl``, ``fused_linear``, ``chunk_mb``: as
+    average is the whole batch's gradient). ``accumulation_steps``: the micro-batches whose
+    gradients add up to one update, when ``num_items_in_batch`` counts them all (a mixture
+    of experts' router loss, a mean per micro-batch, is divided by it, and not multiplied
+    by ``world_size``: DDP's average of the processes' means is the whole batch's).
+    ``impl``, ``fused_linear``, ``chunk_mb``: as
     :class:`RDropMixin`'s ``rdrop_*`` options. ``grad_in_scores``: as
     :func:`core.rdrop_loss`; by default the logits' buffer may take their gradient, so
     pass False to read ``outputs.logits`` afterwards. ``check_labels``: check on the host that
@@ -214,9 +219,10 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     items = labelled_items(labels, causal=kind == "causal")
     count = items if num_items_in_batch is None else num_items_in_batch
     loss = total / torch.as_tensor(count, device=total.device).clamp_min(1)
-    loss = loss + 2 * _router_loss(model, outputs)  # each pass's, as its own loss adds it
     if world_size != 1:
         loss = loss * world_size
+    # each pass's router loss, as the model's own loss adds it
+    loss = loss + 2 * _router_loss(model, outputs) / accumulation_steps
     return RDropHFLoss(loss, outputs, nll, kl, items, correct)
 
 
@@ -303,7 +309,9 @@ class RDropMixin:
             raise ValueError(f"{type(self).__name__} computes the training loss itself: leave "
                              "out compute_loss_func (or use the plain Trainer)")
         super().__init__(*args, **kwargs)
-        self._model_takes_loss_kwargs = self.model_accepts_loss_kwargs  # the Trainer's reading
+        # again on the arguments the Trainer made where none were given
+        _check_parallelism(type(self).__name__, self.args)
+        _check_trl_loss(type(self).__name__, self.args)
         declare_loss_scaling(self, True)
         if self.label_names not in (["labels"], []):
             raise ValueError(f"{type(self).__name__} reads the labels from inputs['labels'], and "
@@ -313,6 +321,10 @@ class RDropMixin:
         # TRL's trainers log their training metrics from _metrics: token accuracy and the
         # tokens seen are given to them (not the entropy: one more pass over the logits)
         self._rdrop_trl_metrics = isinstance(getattr(self, "_metrics", None), Mapping)
+
+    def train(self, *args, **kwargs):
+        self._rdrop_sums = None  # nothing from an earlier train() in the first log
+        return super().train(*args, **kwargs)
 
     def call_model_init(self, trial=None):
         """A model built by ``model_init`` gets the checks a ``model`` gets."""
@@ -350,17 +362,20 @@ class RDropMixin:
                 "the Trainer drops them from the batches: use a model with a head "
                 "(...ForSequenceClassification, ...ForTokenClassification, ...ForMaskedLM, "
                 "...ForCausalLM, ...ForConditionalGeneration)")
-        world_size = 1
-        if (num_items_in_batch is not None and self.args.average_tokens_across_devices
-                and self.args.world_size > 1):
-            # the count is over all processes (get_batch_samples), and DDP averages gradients
-            world_size = self.args.world_size
+        world_size, accumulation = 1, 1
+        if num_items_in_batch is not None:  # the count is of the whole accumulated batch
+            accumulation = getattr(self, "current_gradient_accumulation_steps",
+                                   self.args.gradient_accumulation_steps)
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                # the count is over all processes (get_batch_samples); DDP averages gradients
+                world_size = self.args.world_size
         result = rdrop_hf_loss(
             model, inputs, kind=self._rdrop_kind, alpha=self.rdrop_alpha,
             label_smoothing=self._rdrop_smoothing, num_items_in_batch=num_items_in_batch,
             world_size=world_size, impl=self.rdrop_impl, fused_linear=self.rdrop_fused_linear,
             chunk_mb=self.rdrop_chunk_mb, grad_in_scores=False if return_outputs else "auto",
-            check_labels=not self._first_batch_checked, accuracy=self._rdrop_trl_metrics)
+            check_labels=not self._first_batch_checked, accuracy=self._rdrop_trl_metrics,
+            accumulation_steps=accumulation)
         self._first_batch_checked = True
         self._rdrop_add_to_log(result, inputs)
         return (result.loss, result.outputs) if return_outputs else result.loss
@@ -369,9 +384,10 @@ class RDropMixin:
         """Sums for the next log, kept on the device (no synchronisation per step)."""
         device = result.nll.device
         mask = inputs.get("attention_mask")
-        tokens = mask.sum() if torch.is_tensor(mask) else inputs["labels"].numel()
-        correct = 0 if result.correct is None else result.correct
-        step = torch.stack([torch.as_tensor(value, device=device).float() for value in
+        tokens = (mask.sum() if torch.is_tensor(mask)
+                  else torch.full((), inputs["labels"].numel(), device=device))
+        correct = result.nll.new_zeros(()) if result.correct is None else result.correct
+        step = torch.stack([value.to(device).float() for value in
                             (result.nll.detach(), result.kl.detach(), result.items, correct,
                              tokens)])
         self._rdrop_sums = step if self._rdrop_sums is None else self._rdrop_sums + step
@@ -454,7 +470,8 @@ def _check_parallelism(name, args):
 def _check_trl_loss(name, args):
     """TRL's SFTConfig.loss_type: only its plain negative log-likelihood is R-Drop's CE."""
     loss_type = getattr(args, "loss_type", None)
-    if type(args).__module__.startswith("trl") and loss_type not in (None, "nll"):
+    from_trl = any(cls.__module__.startswith("trl") for cls in type(args).__mro__)
+    if from_trl and loss_type not in (None, "nll"):
         raise ValueError(f"{name}: TRL's loss_type {loss_type!r} is not R-Drop's "
                          "cross-entropy, which replaces TRL's loss in training: set "
                          "loss_type='nll'")
@@ -520,6 +537,10 @@ def _check_fused_head(model, kind):
     if kind == "encoder" and not _is(inner, "MASKED_LM"):
         raise ValueError(f"rdrop_fused_linear: {name} has no language-model head (it is for "
                          "causal, encoder-decoder and masked LMs); leave it False")
+    if "forward" in vars(head):  # accelerate's device hook (device_map, offload), say
+        raise ValueError(f"rdrop_fused_linear: {name}'s output embedding carries a forward of "
+                         "its own (accelerate's hook of device_map='auto' or offloading, "
+                         "say), which the fused path would bypass; leave it False")
     if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
         raise ValueError(f"rdrop_fused_linear: {name}'s output embedding is "
                          f"{type(head).__name__}, not a plain torch.nn.Linear (an adapter on the "
@@ -548,16 +569,18 @@ def _check_head_is_linear(model, head, kind):
     model.eval()
     try:
         with torch.no_grad():
-            logits = _logits_of(model(**inputs)).float()
+            logits = _logits_of(_probe_call(model, type(_unwrap(model)).__name__, **inputs))
+            if len(seen) != 1:
+                raise ValueError(f"rdrop_fused_linear: {type(_unwrap(model)).__name__} called "
+                                 f"its output embedding {len(seen)} times in one forward, "
+                                 "not once")
             bias = _logits_bias(model, head)
             fused = F.linear(seen[0].float(), head.weight.float(),
                              None if bias is None else bias.float())
+            logits = logits.float()
     finally:
         hook.remove()
         model.train(was_training)
-    if len(seen) != 1:
-        raise ValueError(f"rdrop_fused_linear: {type(_unwrap(model)).__name__} called its "
-                         f"output embedding {len(seen)} times in one forward, not once")
     scale = logits.abs().max().clamp_min(1e-6)
     difference = float((logits - fused).abs().max() / scale)
     tolerance = 1e-4 if head.weight.dtype == torch.float32 else 2e-2
@@ -598,11 +621,15 @@ def _forward_through_fused_head(model, inputs, target, *, alpha, smoothing, chun
         results.append(result)
         return result.total.view((1,) * hidden.dim())
 
+    previous = vars(head).get("forward")
     head.forward = fused
     try:
         outputs = model(**inputs)
     finally:
-        del head.forward
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
     if len(results) != 1:
         raise ValueError(f"rdrop_fused_linear: the model called its output embedding "
                          f"{len(results)} times in one forward, not once")

@@ -81,7 +81,7 @@ def run(folder, case):
         per_device_train_batch_size=4 // processes // accumulation,
         gradient_accumulation_steps=accumulation, per_device_eval_batch_size=2,
         max_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=0.0,
-        max_grad_norm=0.0,  # unclipped: clipping would hide a scale
+        max_grad_norm=0.0, logging_steps=1,  # unclipped: clipping would hide a scale
         ddp_backend="gloo" if processes > 1 else None)
     torch.manual_seed(0)
     model = make()
@@ -93,9 +93,10 @@ def run(folder, case):
             callbacks=[SaveGradient(os.path.join(folder, f"{case}.pt"))])
         trainer.train()
         loss = trainer.evaluate(examples(make.__name__))["eval_loss"]
+    logged = next(e for e in trainer.state.log_history if "rdrop_ce" in e)
     if args.process_index == 0:
         with open(os.path.join(folder, f"{case}.eval"), "w") as f:
-            f.write(repr(loss))
+            f.write(repr((loss, logged["rdrop_ce"], logged["rdrop_kl"])))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,11 @@ def two_processes(tmp_path_factory):
 
 
 def results(folder, case):
-    return torch.load(folder / f"{case}.pt"), float((folder / f"{case}.eval").read_text())
+    """The gradient, and (eval_loss, the step's logged rdrop_ce, rdrop_kl)."""
+    import ast
+
+    return torch.load(folder / f"{case}.pt"), ast.literal_eval((folder / f"{case}.eval")
+                                                                .read_text())
 
 
 @pytest.mark.slow
@@ -48,7 +52,8 @@ def test_two_processes_apply_the_gradient_of_the_whole_batch(tmp_path, two_proce
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7,
                                    msg=lambda m, name=name: f"{name}: {m}")
-    assert got_eval == pytest.approx(want_eval, rel=1e-6)
+    # eval_loss, and the step's logged cross-entropy and KL (summed over the processes)
+    assert got_eval == pytest.approx(want_eval, rel=1e-5, abs=1e-4)
 
 
 @pytest.mark.slow

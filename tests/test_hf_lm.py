@@ -420,11 +420,12 @@ def test_sft_trainer_with_completion_only_loss(tmp_path):
         trainer = RDropSFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
                                   processing_class=tokenizer, rdrop_alpha=1.0)
         seen.clear()  # the probe that read the model's kind
-        batches = []
+        batches, tokens = [], []
         original = trainer.compute_loss
 
         def spy(model, inputs, *args, **kwargs):
             batches.append(inputs["labels"].clone())
+            tokens.append(int(inputs["attention_mask"].sum()))
             return original(model, inputs, *args, **kwargs)
 
         trainer.compute_loss = spy
@@ -432,8 +433,9 @@ def test_sft_trainer_with_completion_only_loss(tmp_path):
     assert result.global_step == 10 and math.isfinite(result.training_loss)
     assert all(labels is None for labels in seen)  # the loss is ours, not the model's
     logged = [e for e in trainer.state.log_history if "rdrop_ce" in e]
-    assert logged and all(0 <= e["mean_token_accuracy"] <= 1 and e["num_tokens"] > 0
-                          and "entropy" not in e for e in logged)
+    assert logged and all(0 <= e["mean_token_accuracy"] <= 1 and "entropy" not in e
+                          for e in logged)
+    assert logged[-1]["num_tokens"] == sum(tokens)  # the batches' tokens, not the doubled
     first = batches[0]
     assert (first[:, :4] == -100).all() and (first != -100).any()  # the prompt is masked
 

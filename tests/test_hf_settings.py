@@ -86,6 +86,17 @@ def test_the_mixture_of_experts_router_loss_is_in_each_pass():
         ours = rdrop_hf_loss(model, inputs, kind="causal", alpha=0.0).loss
     assert float(out.loss - plain) > 0.5  # 0.5 x the load-balancing loss (about 2)
     assert float(ours) == pytest.approx(2 * float(out.loss), rel=1e-6)
+    # accumulated over 2 micro-batches (the count of both): the router term, a mean per
+    # micro-batch, is divided by the steps, not summed over them
+    halves = [{k: v[i:i + 1] for k, v in inputs.items()} for i in (0, 1)]
+    count = hf.labelled_items(inputs["labels"], causal=True)
+    with torch.no_grad():
+        whole = rdrop_hf_loss(model, inputs, kind="causal", alpha=0.0, num_items_in_batch=count)
+        summed = sum(rdrop_hf_loss(model, half, kind="causal", alpha=0.0,
+                                   num_items_in_batch=count, accumulation_steps=2).loss
+                     for half in halves)
+    router = float(whole.loss) - 2 * float(plain)
+    assert abs(float(summed) - float(whole.loss)) < 0.1 * router
 
 
 def test_a_model_that_says_its_kind_is_not_probed(tmp_path):
@@ -111,6 +122,15 @@ def test_data_parallel_in_one_process_is_refused_saying_how_to_launch(tmp_path, 
                                          ".*torchrun --nproc_per_node N"):
         make(tiny("gpt2"), tmp_path)
     assert not (tmp_path / "out").exists()
+
+
+def test_data_parallel_is_refused_where_the_trainer_makes_the_arguments(tmp_path,
+                                                                        monkeypatch):
+    """No args given: the Trainer makes its own, which the same check reads."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(ValueError, match="2 GPUs are visible to one process"):
+        quiet(hf.RDropTrainer, model=tiny("gpt2"))
 
 
 @pytest.mark.parametrize("field", ["tp_size", "cp_size", "sp_size"])
@@ -201,6 +221,26 @@ def test_peft_modules_to_save_head_goes_through_the_fused_path(tmp_path):
     assert copy and grads0.keys() == grads1.keys()
     for name in grads0:
         torch.testing.assert_close(grads1[name], grads0[name], rtol=1e-4, atol=1e-7)
+
+
+def test_a_head_with_a_forward_of_its_own_is_refused_by_the_fused_path(tmp_path):
+    """accelerate's device hooks (device_map, offload) set the head's forward on the
+    instance: the fused path would bypass it, so it is refused; the logits path keeps it,
+    and the head's forward is the same object after an R-Drop step."""
+    model = tiny("gpt2")
+    calls = []
+    original = model.lm_head.forward
+
+    def hooked(hidden):
+        calls.append(1)
+        return original(hidden)
+
+    model.lm_head.forward = hooked
+    with pytest.raises(ValueError, match="output embedding carries a forward of its own"):
+        make(model, tmp_path, fused=True)
+    trainer = make(model, tmp_path)
+    trainer.compute_loss(model.train(), batch("gpt2"))
+    assert model.lm_head.forward is hooked and calls
 
 
 def test_the_fused_paths_products_follow_bf16_autocast(tmp_path):
