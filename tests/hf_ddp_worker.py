@@ -49,10 +49,14 @@ def examples(kind):
     return [{"input_ids": ids[i], "labels": labels[i]} for i in range(4)]
 
 
-# case: (model, fused path, gradient accumulation steps)
+# case: (model, fused path, gradient accumulation steps[, TrainingArguments besides])
 CASES = {"causal": (causal, False, 1), "causal-fused": (causal, True, 1),
          "causal-accumulated": (causal, False, 2), "seq2seq-fused": (seq2seq, True, 1),
-         "classifier": (classifier, False, 1), "unscaled": (causal, False, 1)}
+         "classifier": (classifier, False, 1), "unscaled": (causal, False, 1),
+         # each process divides by its own count, as the Trainer does: rank r takes the
+         # examples 2r and 2r + 1 in order
+         "causal-own-counts": (causal, False, 1, {"average_tokens_across_devices": False,
+                                                  "train_sampling_strategy": "sequential"})}
 
 
 class SaveGradient(TrainerCallback):
@@ -74,7 +78,7 @@ class Unscaled(hf.RDropTrainer):
 
 
 def run(folder, case):
-    make, fused, accumulation = CASES[case]
+    make, fused, accumulation, *extra = CASES[case]
     processes = int(os.environ.get("WORLD_SIZE", 1))
     args = TrainingArguments(
         output_dir=os.path.join(folder, case), use_cpu=True, report_to="none",
@@ -82,7 +86,7 @@ def run(folder, case):
         gradient_accumulation_steps=accumulation, per_device_eval_batch_size=2,
         max_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=0.0,
         max_grad_norm=0.0, logging_steps=1,  # unclipped: clipping would hide a scale
-        ddp_backend="gloo" if processes > 1 else None)
+        ddp_backend="gloo" if processes > 1 else None, **(extra[0] if extra else {}))
     torch.manual_seed(0)
     model = make()
     with warnings.catch_warnings():
