@@ -305,6 +305,18 @@ def tiny_llava():
         image_token_index=98, vision_feature_layer=-1))
 
 
+def assert_twice_its_own_and_in_order(model, inputs):
+    """At alpha 0 (evaluation mode: no dropout) R-Drop's loss is twice the model's own, and
+    the images in another order give another loss (so the order is what made it equal)."""
+    with torch.no_grad():
+        own = model(**inputs).loss
+        ours = rdrop_hf_loss(model, inputs, kind="causal", alpha=0.0).loss
+        swapped = rdrop_hf_loss(model, {**inputs, "pixel_values": inputs["pixel_values"]
+                                        .flip(0)}, kind="causal", alpha=0.0).loss
+    assert float(ours) == pytest.approx(2 * float(own), rel=1e-6)
+    assert abs(float(swapped) - float(ours)) > 1e-4
+
+
 def test_image_batches_are_doubled_in_their_order_of_appearance():
     """LLaVA: 3 images for 2 examples (2 in the first, 4 image tokens each), so the images
     are not a batch dimension; repeated in their order they meet [x; x]'s image tokens,
@@ -318,14 +330,8 @@ def test_image_batches_are_doubled_in_their_order_of_appearance():
     ids[1, 2:6] = 98  # one image
     pixels = torch.randn(3, 3, 8, 8, generator=g)
     labels = torch.where(ids.eq(98), -100, ids)
-    inputs = {"input_ids": ids, "pixel_values": pixels, "labels": labels}
-    with torch.no_grad():
-        own = model(**inputs).loss
-        ours = rdrop_hf_loss(model, inputs, kind="causal", alpha=0.0).loss
-        swapped = rdrop_hf_loss(model, {**inputs, "pixel_values": pixels.flip(0)},
-                                kind="causal", alpha=0.0).loss
-    assert float(ours) == pytest.approx(2 * float(own), rel=1e-6)
-    assert abs(float(swapped) - float(ours)) > 1e-4
+    assert_twice_its_own_and_in_order(model, {"input_ids": ids, "pixel_values": pixels,
+                                              "labels": labels})
 
 
 def test_multimodal_position_ids_are_doubled_along_their_batch_dimension():
@@ -396,13 +402,7 @@ def test_qwen2_vl_flattened_patches_are_doubled_with_their_grids():
               "mm_token_type_ids": ids.eq(97).long(), "pixel_values": patches,
               "image_grid_thw": torch.tensor([[1, 4, 4], [1, 2, 2]]),
               "labels": torch.where(ids.ge(94), -100, ids)}
-    with torch.no_grad():
-        own = model(**inputs).loss
-        ours = rdrop_hf_loss(model, inputs, kind="causal", alpha=0.0).loss
-        swapped = rdrop_hf_loss(model, {**inputs, "pixel_values": patches.flip(0)},
-                                kind="causal", alpha=0.0).loss
-    assert float(ours) == pytest.approx(2 * float(own), rel=1e-6)
-    assert abs(float(swapped) - float(ours)) > 1e-4
+    assert_twice_its_own_and_in_order(model, inputs)
 
 
 def test_eval_loss_is_the_models_mean_over_the_tokens_it_predicts(tmp_path):
