@@ -112,14 +112,17 @@ def warmup_arguments(fraction):
 
 # ------------------------------------------------------------------------------ the loss
 
-RDropHFLoss = namedtuple("RDropHFLoss", "loss outputs nll kl items correct")
+RDropHFLoss = namedtuple("RDropHFLoss", "loss outputs nll kl items correct entropy")
 RDropHFLoss.__doc__ = """Result of :func:`rdrop_hf_loss`. ``loss``: what to call
 ``backward()`` on; ``outputs``: the model's output for ``[x; x]`` (its ``logits`` a stand-in
 on the fused path); for logging, detached and not synchronised: ``nll``, the plain
 cross-entropy of both passes summed over the labelled items (the squared errors for
 regression), ``kl``, the symmetric KL summed over them (regression: the squared difference),
-``items``, the labelled items of one pass in this batch, and ``correct``, the labelled
-items of both passes whose highest logit is the label (with ``accuracy=True``, else None)."""
+``items``, the labelled items of one pass in this batch, ``correct``, the labelled items
+of both passes whose highest logit is the label (with ``accuracy=True``, else None), and
+``entropy``, the entropy of the predicted distribution summed over the labelled items of
+both passes (with ``accuracy=True`` through the logits; None through the fused path,
+which makes no logits)."""
 
 
 def labelled_items(labels, causal=False):
@@ -160,8 +163,8 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     pass False to read ``outputs.logits`` afterwards. ``check_labels``: check on the host that
     the labels are class indices of the head (it waits for the device: the first batch's);
     later batches are checked on the device without waiting. ``accuracy``: also count the
-    labelled items whose highest logit is the label (``correct``; one more read of the
-    logits). With every dropout off the two passes are the same and the KL is 0."""
+    labelled items whose highest logit is the label (``correct``) and, through the logits,
+    sum their entropy (one more pass over the logits, a chunk of rows at a time). With every dropout off the two passes are the same and the KL is 0."""
     labels = inputs.get("labels")
     if not torch.is_tensor(labels):
         raise RDropBatchError(
@@ -182,7 +185,7 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     doubled = doubled_batch(features, labels.size(0))
     # a causal LM predicts token t+1 at position t: the target of t is labels[t + 1]
     target = _shifted(labels) if kind == "causal" else labels
-    correct = None
+    correct = entropy = None
     if fused_linear:
         predictions = (torch.empty((2, target.numel()), dtype=torch.long, device=target.device)
                        if accuracy else None)
@@ -210,6 +213,7 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
             _assert_class_indices_async(target, vocab)
             if accuracy:  # before the loss: the logits' buffer may then take their gradient
                 correct = _correct(logits.detach().argmax(-1).view(2, -1), target)
+                entropy = _entropy_sum(logits.detach().view(2, -1, vocab), target)
             # the logits' own buffer may take their gradient, unless the caller reads them
             result = rdrop_loss(logits, target, alpha=alpha,
                                 epsilon=_fairseq_epsilon(label_smoothing, vocab),
@@ -223,7 +227,20 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
         loss = loss * world_size
     # each pass's router loss, as the model's own loss adds it
     loss = loss + 2 * _router_loss(model, outputs) / accumulation_steps
-    return RDropHFLoss(loss, outputs, nll, kl, items, correct)
+    return RDropHFLoss(loss, outputs, nll, kl, items, correct, entropy)
+
+
+def _entropy_sum(pairs, target, rows=1024):
+    """The entropy of softmax(logits) summed over the labelled rows of both passes
+    (``pairs``: ``(2, n, V)``), in float32 a chunk of ``rows`` at a time (no n x V float32
+    copy)."""
+    kept = target.reshape(-1).ne(IGNORE_INDEX)
+    total = pairs.new_zeros((), dtype=torch.float32)
+    for start in range(0, pairs.size(1), rows):
+        log_p = torch.log_softmax(pairs[:, start:start + rows].float(), -1)
+        per_row = -(log_p.exp() * log_p).sum(-1)
+        total = total + per_row.masked_fill(~kept[start:start + rows], 0).sum()
+    return total
 
 
 def _correct(predictions, target):
@@ -317,9 +334,9 @@ class RDropMixin:
             raise ValueError(f"{type(self).__name__} reads the labels from inputs['labels'], and "
                              f"this model or TrainingArguments.label_names names {self.label_names}")
         self._first_batch_checked = False
-        self._rdrop_sums = None  # nll, kl, items, correct, tokens since the last log (device)
-        # TRL's trainers log their training metrics from _metrics: token accuracy and the
-        # tokens seen are given to them (not the entropy: one more pass over the logits)
+        self._rdrop_sums = None  # nll, kl, items, correct, tokens, entropy since the last log
+        # TRL's trainers log their training metrics from _metrics: token accuracy, the tokens
+        # seen and, through the logits, the entropy are given to them
         self._rdrop_trl_metrics = isinstance(getattr(self, "_metrics", None), Mapping)
 
     def train(self, *args, **kwargs):
@@ -386,10 +403,12 @@ class RDropMixin:
         mask = inputs.get("attention_mask")
         tokens = (mask.sum() if torch.is_tensor(mask)
                   else torch.full((), inputs["labels"].numel(), device=device))
-        correct = result.nll.new_zeros(()) if result.correct is None else result.correct
+        zero = result.nll.new_zeros(())
+        correct = zero if result.correct is None else result.correct
+        entropy = zero if result.entropy is None else result.entropy
         step = torch.stack([value.to(device).float() for value in
                             (result.nll.detach(), result.kl.detach(), result.items, correct,
-                             tokens)])
+                             tokens, entropy)])
         self._rdrop_sums = step if self._rdrop_sums is None else self._rdrop_sums + step
 
     def log(self, logs, *args, **kwargs):
@@ -400,7 +419,7 @@ class RDropMixin:
             sums = self._rdrop_sums
             if self.args.world_size > 1:
                 sums = self.accelerator.reduce(sums, reduction="sum")
-            nll, kl, items, correct, tokens = sums.tolist()
+            nll, kl, items, correct, tokens, entropy = sums.tolist()
             logs = {**logs, "rdrop_ce": round(nll / 2 / max(items, 1), 4),
                     "rdrop_kl": round(kl / max(items, 1), 4)}
             self._rdrop_sums = None
@@ -408,6 +427,8 @@ class RDropMixin:
                 self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(tokens)
                 self._metrics["train"]["mean_token_accuracy"].append(correct / 2 / max(items, 1))
                 self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+                if not self.rdrop_fused_linear:  # (the fused path makes no logits)
+                    self._metrics["train"]["entropy"].append(entropy / 2 / max(items, 1))
         return super().log(logs, *args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device=None):

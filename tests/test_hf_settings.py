@@ -352,8 +352,9 @@ def test_multimodal_position_ids_are_doubled_along_their_batch_dimension():
 
 
 def test_token_accuracy_counts_both_passes_highest_logits():
-    """accuracy=True (what TRL's mean_token_accuracy is made from): the labelled positions of
-    both passes whose highest logit is the target, the same through the fused head."""
+    """accuracy=True (what TRL's mean_token_accuracy and entropy are made from): the labelled
+    positions of both passes whose highest logit is the target, the same through the fused
+    head, and their summed entropy through the logits."""
     model = tiny("gpt2", dropout=0.0)
     inputs = batch("gpt2")
     with torch.no_grad():  # some labels made what the model predicts, so that some count
@@ -366,9 +367,14 @@ def test_token_accuracy_counts_both_passes_highest_logits():
     argmax = out.outputs.logits[:, :-1].argmax(-1).view(2, *target.shape)
     want = int(((argmax == target) & target.ne(-100)).sum())
     assert int(out.correct) == want and want > 0
+    # the entropy of both passes' predicted distributions at the labelled positions
+    log_p = torch.log_softmax(out.outputs.logits[:, :-1].double(), -1)
+    per_row = -(log_p.exp() * log_p).sum(-1).view(2, *target.shape)
+    entropy = float(torch.where(target.ne(-100), per_row, 0).sum())
+    assert float(out.entropy) == pytest.approx(entropy, rel=1e-5) and entropy > 0
     torch.manual_seed(7)
     fused = rdrop_hf_loss(model, inputs, kind="causal", accuracy=True, fused_linear=True)
-    assert int(fused.correct) == want
+    assert int(fused.correct) == want and fused.entropy is None
 
 
 def test_qwen2_vl_flattened_patches_are_doubled_with_their_grids():
