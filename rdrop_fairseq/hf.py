@@ -329,6 +329,7 @@ class RDropMixin:
         # again on the arguments the Trainer made where none were given
         _check_parallelism(type(self).__name__, self.args)
         _check_trl_loss(type(self).__name__, self.args)
+        _check_zero3(type(self).__name__, self.accelerator, self.rdrop_fused_linear)
         declare_loss_scaling(self, True)
         if self.label_names not in (["labels"], []):
             raise ValueError(f"{type(self).__name__} reads the labels from inputs['labels'], and "
@@ -486,6 +487,17 @@ def _check_parallelism(name, args):
             f"{name}: tensor, context and sequence parallelism ({', '.join(used)}) are not "
             "supported: their processes share or split one batch, which R-Drop's item count "
             "and its [x; x] do not follow. Use data parallelism (DDP, FSDP or DeepSpeed)")
+
+
+def _check_zero3(name, accelerator, fused_linear):
+    """The fused path under DeepSpeed ZeRO-3 is refused until a GPU has run it (its loss is
+    computed inside the head's call, where ZeRO-3 should have gathered the weight, but no
+    test has shown it); the logits path is the model's ordinary forward."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    if fused_linear and getattr(plugin, "zero_stage", None) == 3:
+        raise ValueError(f"{name}: rdrop_fused_linear under DeepSpeed ZeRO-3 has not been "
+                         "verified: leave it False (the logits path), or use FSDP, whose "
+                         "sharded head the fused path is tested with")
 
 
 def _check_trl_loss(name, args):
