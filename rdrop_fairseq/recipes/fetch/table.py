@@ -2,7 +2,6 @@
 hub's URLs, the makers that turn downloads into a folder, unpacking, and the table as
 docs/data.md prints it."""
 
-import errno
 import importlib
 import json
 import os
@@ -70,12 +69,17 @@ def _must(where, field, value, what):
     return BadInput(f"{where}'s {field} must be {what}, not {_show(value)}")
 
 
+def _check_text(where, mapping, fields):
+    """Each of ``fields`` in ``mapping``, where given, is text."""
+    for field in fields:
+        if not isinstance(mapping.get(field, ""), str):
+            raise _must(where, field, mapping[field], "text")
+
+
 def _check_entry(name, entry):
     if not isinstance(entry, dict):
         raise _must("the table", name, entry, "an object (files, make, ...)")
-    for field in ENTRY_TEXT:
-        if not isinstance(entry.get(field, ""), str):
-            raise _must(name, field, entry[field], "text")
+    _check_text(name, entry, ENTRY_TEXT)
     files = entry.get("files", [])
     if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
         raise _must(name, "files", files, "a list of objects (name, urls, sha256, size)")
@@ -100,9 +104,7 @@ def _check_file(name, entry, spec):
     if not (isinstance(spec.get("name"), str) and spec["name"]):
         raise _must(f"{name}'s file", "name", spec.get("name"), "the file's name")
     where = f"{name}'s {spec['name']}"
-    for field in FILE_TEXT:
-        if not isinstance(spec.get(field, ""), str):
-            raise _must(where, field, spec[field], "text")
+    _check_text(where, spec, FILE_TEXT)
     urls = spec.get("urls", [])
     if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
         raise _must(where, "urls", urls, "a list of URLs")
