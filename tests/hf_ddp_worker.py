@@ -9,6 +9,7 @@ process sees the batches the ranks see."""
 import os
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
@@ -16,6 +17,15 @@ from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
                           TrainingArguments)
 
 from rdrop_fairseq import hf
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def child_env(**extra):
+    """The environment of a torchrun launched by a test: the repository first on the path,
+    then the test's own (the floor's packages, in tests/test_transformers_floor.py)."""
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
 def causal():
@@ -55,8 +65,7 @@ CASES = {"causal": (causal, False, 1), "causal-fused": (causal, True, 1),
          "classifier": (classifier, False, 1), "unscaled": (causal, False, 1),
          # each process divides by its own count, as the Trainer does: rank r takes the
          # examples 2r and 2r + 1 in order
-         "causal-own-counts": (causal, False, 1, {"average_tokens_across_devices": False,
-                                                  "train_sampling_strategy": "sequential"})}
+         "causal-own-counts": (causal, False, 1, {"average_tokens_across_devices": False})}
 
 
 class SaveGradient(TrainerCallback):
@@ -77,21 +86,31 @@ class Unscaled(hf.RDropTrainer):
         return loss / self.args.world_size if model.training else loss
 
 
+class InOrder(hf.RDropTrainer):
+    """The examples in order (transformers 5's train_sampling_strategy="sequential", which
+    4.x lacks)."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
 def run(folder, case):
     make, fused, accumulation, *extra = CASES[case]
     processes = int(os.environ.get("WORLD_SIZE", 1))
-    args = TrainingArguments(
-        output_dir=os.path.join(folder, case), use_cpu=True, report_to="none",
-        per_device_train_batch_size=4 // processes // accumulation,
-        gradient_accumulation_steps=accumulation, per_device_eval_batch_size=2,
-        max_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=0.0,
-        max_grad_norm=0.0, logging_steps=1,  # unclipped: clipping would hide a scale
-        ddp_backend="gloo" if processes > 1 else None, **(extra[0] if extra else {}))
+    args = TrainingArguments(**{
+        "output_dir": os.path.join(folder, case), "use_cpu": True, "report_to": "none",
+        "per_device_train_batch_size": 4 // processes // accumulation,
+        "gradient_accumulation_steps": accumulation, "per_device_eval_batch_size": 2,
+        "max_steps": 1, "save_strategy": "no", "disable_tqdm": True, "learning_rate": 0.0,
+        "max_grad_norm": 0.0, "logging_steps": 1,  # unclipped: clipping would hide a scale
+        "average_tokens_across_devices": True,  # (the default from transformers 5 on)
+        "ddp_backend": "gloo" if processes > 1 else None, **(extra[0] if extra else {})})
     torch.manual_seed(0)
     model = make()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = (Unscaled if case == "unscaled" else hf.RDropTrainer)(
+        trainer = {"unscaled": Unscaled, "causal-own-counts": InOrder}.get(
+            case, hf.RDropTrainer)(
             model=model, args=args, train_dataset=examples(make.__name__),
             rdrop_alpha=1.0, rdrop_fused_linear=fused,
             callbacks=[SaveGradient(os.path.join(folder, f"{case}.pt"))])

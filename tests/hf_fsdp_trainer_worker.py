@@ -1,7 +1,8 @@
 """The process of tests/test_hf_ddp.py's CUDA test: one SGD step of RDropTrainer on a tiny
-GPT-2 (4 examples) on a GPU, with the Trainer's own FSDP (``fsdp="full_shard"``, under
-torchrun) or without; writes the step's training loss and the eval_loss after it.
-Arguments: output path, "fused" or "logits", "fsdp" or "plain"."""
+GPT-2 (4 examples) on a GPU, with the Trainer's own FSDP version 1 (``fsdp="full_shard"``,
+under torchrun: FSDP1 needs a GPU, where FSDP2 runs on CPU processes in
+tests/test_hf_sharded.py) or without; writes the step's training loss and the eval_loss
+after it. Arguments: output path, "fused" or "logits", "fsdp" or "plain"."""
 
 import json
 import sys
@@ -19,7 +20,8 @@ if __name__ == "__main__":
         output_dir=out + ".d", report_to="none", per_device_train_batch_size=4,
         per_device_eval_batch_size=2, max_steps=1, save_strategy="no", disable_tqdm=True,
         optim="sgd", learning_rate=0.5, max_grad_norm=0.0, logging_steps=1,
-        **({"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap":
+        **({"fsdp": "full_shard", "fsdp_config": {"version": 1,
+                                                  "transformer_layer_cls_to_wrap":
                                                   ["GPT2Block"]}} if fsdp else {}))
     torch.manual_seed(0)
     with warnings.catch_warnings():

@@ -7,7 +7,6 @@ accumulation, an encoder-decoder model through the fused head, and a classifier.
 the examples hold fewer labelled tokens, so a per-rank count fails, and the loss without
 its world-size scale (a mutation, run here) must give another gradient."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import CASES, run  # noqa: E402
+from tests.hf_ddp_worker import CASES, child_env, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", "tests/hf_ddp_worker.py", str(folder), *CASES], cwd=REPO, env=env,
@@ -77,7 +76,7 @@ def test_fsdp2_sharded_model_gives_the_gradient_of_the_whole_batch(tmp_path, pat
     from tests.hf_fsdp_worker import gradients
 
     want, _ = gradients(path == "fused", checkpointing)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", "tests/hf_fsdp_worker.py", str(tmp_path / "fsdp.pt"), path,
@@ -96,11 +95,12 @@ def test_fsdp2_sharded_model_gives_the_gradient_of_the_whole_batch(tmp_path, pat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("path", ["fused", "logits"])
 def test_the_trainers_own_fsdp_on_a_gpu_trains_as_without_it(tmp_path, path):
-    """The Trainer's FSDP (full_shard, torchrun, one GPU): its R-Drop step's loss, and the
-    eval_loss after one SGD step (which its gradient decides), are the unsharded run's."""
+    """The Trainer's FSDP version 1 (full_shard, torchrun, one GPU; FSDP2 is tested on CPU
+    processes in tests/test_hf_sharded.py): its R-Drop step's loss, and the eval_loss after
+    one SGD step (which its gradient decides), are the unsharded run's."""
     import json
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     runs = {}
     for mode in ("plain", "fsdp"):
         command = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
