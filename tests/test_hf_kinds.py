@@ -150,10 +150,13 @@ def test_every_language_model_class_is_twice_its_own_loss_or_refused_by_name():
     assert not wrong, "\n".join(wrong)
     # not vacuous: most of the mappings' classes are tested, among them the decoders the
     # class-name lists missed, a masked LM named an LM head, and vision-language models
-    assert counts["accepted"] >= 300, counts
+    # (transformers 5.24: 340 accepted; 4.49, the floor, has fewer classes: 224 accepted,
+    # 7 of them vision-language decoders)
+    five = int(transformers.__version__.split(".")[0]) >= 5
+    assert counts["accepted"] >= (300 if five else 200), counts
     assert accepted_kinds.get("Qwen2ForCausalLM") == "causal"
     assert accepted_kinds.get("XLMWithLMHeadModel") == "encoder"
     assert accepted_kinds.get("BartForConditionalGeneration") == "seq2seq"
     assert accepted_kinds.get("LlavaForConditionalGeneration") == "causal"
     assert sum(kind == "causal" and "ConditionalGeneration" in name
-               for name, kind in accepted_kinds.items()) >= 20
+               for name, kind in accepted_kinds.items()) >= (20 if five else 5)

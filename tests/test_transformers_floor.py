@@ -1,9 +1,9 @@
 """The Hugging Face tests on the oldest versions setup.py admits: transformers 4.49 and
 accelerate 1.0 (with the huggingface_hub, tokenizers and datasets of their time), installed
 with pip into a folder of the environment once and put first on the path of a pytest run
-of the Hugging Face test files. Gradient accumulation, every model kind, the fused path,
-the GLUE recipe's TrainingArguments, DDP and DeepSpeed ZeRO on 2 processes and the
-downloader's hub cache on the floor; TRL's SFTTrainer is skipped there (trl 1.16 needs
+of the Hugging Face test files. Gradient accumulation, the kind sweep over 4.49's own
+auto mappings, the fused path, the GLUE recipe's TrainingArguments, DDP and DeepSpeed ZeRO
+on 2 processes and the downloader's hub cache on the floor; TRL's SFTTrainer is skipped there (trl 1.16 needs
 transformers >= 4.56.2), and so is the Trainer's FSDP2 (4.x's Trainer makes FSDP1). Needs
 PyPI the first time (about 20 s)."""
 
@@ -24,6 +24,7 @@ FLOOR = ["transformers==4.49.0", "accelerate==1.0.1", "huggingface_hub==0.36.2",
          "idna==3.10", "certifi==2024.8.30", "charset-normalizer==3.4.0"]
 FILES = ["tests/test_hf.py", "tests/test_hf_lm.py", "tests/test_hf_settings.py",
          "tests/test_glue_bert_recipe.py", "tests/test_hf_ddp.py", "tests/test_hf_sharded.py",
+         "tests/test_hf_kinds.py",
          # the downloader's use of the Hugging Face cache: huggingface_hub of the floor's time
          *(f"tests/test_fetch.py::{test}" for test in [
              "test_a_hub_file_in_the_hugging_face_cache_is_used_without_the_network",
