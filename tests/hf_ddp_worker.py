@@ -21,10 +21,12 @@ from rdrop_fairseq import hf
 REPO = Path(__file__).resolve().parents[1]
 
 
-def child_env(**extra):
+def child_env(*folders, **extra):
     """The environment of a torchrun launched by a test: the repository first on the path,
-    then the test's own (the floor's packages, in tests/test_transformers_floor.py)."""
-    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    then ``folders``, then the test's own path (the floor's packages, in
+    tests/test_transformers_floor.py)."""
+    path = os.pathsep.join([str(REPO), *map(str, folders),
+                            *filter(None, [os.environ.get("PYTHONPATH")])])
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 

@@ -10,6 +10,7 @@ gradient accumulation 2, a Marian model through the fused head (ZeRO-3; a bias a
 its logits), and ZeRO-2 through the fused head. The loss without its world-size scale (a
 mutation, run here) must give half the update."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,11 +27,21 @@ REPO = Path(__file__).resolve().parents[1]
 MUTANTS = [case for case in CASES if case.endswith("unscaled")]
 
 
+def deepspeed_folder():
+    """Where scripts/setup.sh installs DeepSpeed (requirements/deepspeed.txt): a folder
+    these processes alone put on their path."""
+    pins = (REPO / "requirements" / "deepspeed.txt").read_text()
+    version = re.search(r"^deepspeed==(\S+)", pins, re.M)[1]
+    folder = Path(sys.prefix) / "share" / "rdrop-fairseq" / f"deepspeed-{version}"
+    assert (folder / "deepspeed").is_dir(), f"no DeepSpeed in {folder}: bash scripts/setup.sh"
+    return folder
+
+
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sharded")
-    # the CPU processes even where a GPU is visible
-    env = child_env(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
+    # DeepSpeed's CPU processes even where a GPU is visible
+    env = child_env(deepspeed_folder(), DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", "tests/hf_sharded_worker.py", str(folder), *RUNNABLE], cwd=REPO, env=env,
