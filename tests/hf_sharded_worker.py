@@ -25,16 +25,17 @@ from transformers import TrainerCallback, TrainingArguments
 from rdrop_fairseq import hf
 from tests.hf_ddp_worker import causal, examples, seq2seq
 
-# case: (sharding, model, fused path, gradient checkpointing, accumulation steps)
-CASES = {"zero3-logits": ("zero3", causal, False, False, 1),
-         "zero3-fused": ("zero3", causal, True, False, 1),
-         "zero3-logits-checkpointing": ("zero3", causal, False, True, 1),
+# case: (sharding, model, fused path, gradient checkpointing, accumulation steps); each
+# sharding with both paths under gradient checkpointing, and without it through the
+# accumulation, the Marian model and the mutations
+CASES = {"zero3-logits-checkpointing": ("zero3", causal, False, True, 1),
          "zero3-fused-checkpointing": ("zero3", causal, True, True, 1),
          "zero3-fused-accumulated": ("zero3", causal, True, False, 2),
          "zero3-seq2seq-fused": ("zero3", seq2seq, True, False, 1),
+         # DeepSpeed's bf16 (weights and products in bf16, float32 master weights)
+         "zero3-fused-checkpointing-bf16": ("zero3", causal, True, True, 1),
          "zero2-fused": ("zero2", causal, True, False, 1),
-         "fsdp2-logits": ("fsdp2", causal, False, False, 1),
-         "fsdp2-fused": ("fsdp2", causal, True, False, 1),
+         "fsdp2-logits-checkpointing": ("fsdp2", causal, False, True, 1),
          "fsdp2-fused-checkpointing": ("fsdp2", causal, True, True, 1),
          "fsdp2-fused-accumulated": ("fsdp2", causal, True, False, 2),
          "zero3-unscaled": ("zero3", causal, False, False, 1),  # the mutations that must fail
@@ -107,7 +108,10 @@ def _sharding(how, make):
     from accelerate.utils import DistributedType
 
     AcceleratorState._reset_state()  # each case's plugin anew; the process group stays
-    for flag in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):  # the last case's
+    # the last case's, which accelerate and transformers leave in the environment (4.x's
+    # TrainingArguments would take the last case's bf16 as its own)
+    for flag in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP",
+                 "ACCELERATE_MIXED_PRECISION"):
         os.environ.pop(flag, None)
     if how.startswith("zero"):
         PartialState().distributed_type = DistributedType.DEEPSPEED
@@ -136,9 +140,15 @@ def _gathered(trainer, before):
 
 def run(folder, case):
     how, make, fused, checkpointing, accumulation = CASES[case]
+    sharding = _sharding(how, make)
+    if case.endswith("bf16"):
+        # (use_cpu: the Trainer takes bf16 without a GPU only on the CPU; the process state
+        # stays DeepSpeed's)
+        sharding["deepspeed"]["bf16"] = {"enabled": "auto"}
+        sharding.update(bf16=True, use_cpu=True)
     args = _arguments(os.path.join(folder, case), int(os.environ["WORLD_SIZE"]), accumulation,
                       checkpointing, accelerator_config={"use_configured_state": True},
-                      **_sharding(how, make))
+                      **sharding)
     before, trainer, loss, after = _step(Unscaled if case.endswith("unscaled")
                                          else hf.RDropTrainer, make, args, fused)
     wrapped = type(trainer.model_wrapped).__name__
@@ -163,3 +173,6 @@ if __name__ == "__main__":
     del os.environ["ACCELERATE_USE_DEEPSPEED"]
     for name in sys.argv[2:]:
         run(sys.argv[1], name)
+    # every rank done with the last collective before any process exits
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -61,11 +61,14 @@ def test_the_hugging_face_tests_pass_on_the_oldest_admitted_versions():
                           env=env, cwd=REPO, timeout=1200)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    # the skips: TRL's tests (2), Qwen2-VL's 5.x form (1), the Trainer's FSDP2 (5; 4.x
+    # the skips: TRL's tests (2), Qwen2-VL's 5.x form (1), the Trainer's FSDP2 cases (4.x
     # makes FSDP1), and the CUDA tests (2) where no GPU is visible
+    from tests.hf_sharded_worker import CASES
+
+    fsdp2 = sum(how == "fsdp2" for how, *_ in CASES.values())
     cuda = 0 if torch.cuda.is_available() else 2
-    assert f" {2 + 1 + 5 + cuda} skipped" in summary and "failed" not in summary, summary
+    assert f" {2 + 1 + fsdp2 + cuda} skipped" in summary and "failed" not in summary, summary
     assert "trl does not import with transformers 4.49.0" in proc.stdout
     assert "Qwen2-VL's configuration and inputs" in proc.stdout
-    assert "[5] tests/test_hf_sharded.py" in proc.stdout and "whose Trainer makes FSDP1" in \
-        proc.stdout
+    assert f"[{fsdp2}] tests/test_hf_sharded.py" in proc.stdout and \
+        "whose Trainer makes FSDP1" in proc.stdout
