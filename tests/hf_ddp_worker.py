@@ -7,6 +7,7 @@ takes batches of 2 either way: the Trainer averages the batches' mean losses, so
 process sees the batches the ranks see."""
 
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -28,6 +29,15 @@ def child_env(*folders, **extra):
     path = os.pathsep.join([str(REPO), *map(str, folders),
                             *filter(None, [os.environ.get("PYTHONPATH")])])
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
+def failure(proc):
+    """What a failed torchrun said: the lines naming an error or a signal first (a parent
+    run that shows only its end still shows them), then the ends of its output."""
+    lines = (proc.stdout + proc.stderr).splitlines()
+    errors = [line for line in lines if re.search(r"Error|error:|terminate|Signal|abort",
+                                                  line)]
+    return "\n".join([*errors[-20:], proc.stdout[-2000:], proc.stderr[-2000:]])
 
 
 def causal():

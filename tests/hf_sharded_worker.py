@@ -14,6 +14,7 @@ CPU accelerator: DS_ACCELERATOR=cpu), the Trainer is told to use it
 (``use_configured_state``), and for FSDP the state calls its processes GPU ones, which
 makes accelerate apply its FSDP plugin; the model stays on the CPU."""
 
+import gc
 import os
 import sys
 import warnings
@@ -159,6 +160,13 @@ def run(folder, case):
     if args.process_index == 0:
         torch.save({"update": update, "loss": loss, "eval_after": after,
                     "sharded": HeadShard.sharded}, os.path.join(folder, f"{case}.pt"))
+    # the case's engine taken down on every rank at the same point, not by the garbage
+    # collector at a moment of each rank's own
+    if hasattr(trainer.model_wrapped, "destroy"):
+        trainer.model_wrapped.destroy()
+    del trainer
+    gc.collect()
+    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import CASES, child_env, run  # noqa: E402
+from tests.hf_ddp_worker import CASES, child_env, failure, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,7 +29,7 @@ def two_processes(tmp_path_factory):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", "tests/hf_ddp_worker.py", str(folder), *CASES], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     return folder
 
 
@@ -82,7 +82,7 @@ def test_fsdp2_sharded_model_gives_the_gradient_of_the_whole_batch(tmp_path, pat
          "2", "tests/hf_fsdp_worker.py", str(tmp_path / "fsdp.pt"), path,
          *(["checkpointing"] if checkpointing else [])], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     got = torch.load(tmp_path / "fsdp.pt")
     assert got["sharded"]  # the head's weight was a shard outside the forward
     assert got["grads"].keys() == want.keys()
@@ -108,7 +108,7 @@ def test_the_trainers_own_fsdp_on_a_gpu_trains_as_without_it(tmp_path, path):
         proc = subprocess.run([*command, "tests/hf_fsdp_trainer_worker.py",
                                str(tmp_path / mode), path, mode], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failure(proc)
         runs[mode] = json.loads((tmp_path / mode).read_text())
     assert "FullyShardedDataParallel" in runs["fsdp"]["wrapped"] or \
         runs["fsdp"]["wrapped"].startswith("FSDP"), runs["fsdp"]

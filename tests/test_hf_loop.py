@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import REPO, causal, child_env  # noqa: E402
+from tests.hf_ddp_worker import REPO, causal, child_env, failure  # noqa: E402
 from tests.hf_loop_worker import loops, step  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def test_the_accelerate_loop_on_two_processes_is_the_plain_loop_on_the_whole_bat
          "2", "tests/hf_loop_worker.py", str(tmp_path / "accelerate.pt"), "accelerate"],
         cwd=REPO, env=child_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
         timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     got = torch.load(tmp_path / "accelerate.pt")
     assert got["processes"] == 2
     assert got["parameters"].keys() == want.keys()

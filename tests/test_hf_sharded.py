@@ -21,7 +21,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import child_env  # noqa: E402
+from tests.hf_ddp_worker import child_env, failure  # noqa: E402
 from tests.hf_sharded_worker import CASES, RUNNABLE, SHARDED, reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def two_processes(tmp_path_factory):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", "tests/hf_sharded_worker.py", str(folder), *RUNNABLE], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure(proc)
     return folder
 
 
