@@ -15,7 +15,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # first: pytest-xdist hands out whole files (--dist loadfile) in collection order, and a
 # long file collected last leaves the other workers idle at the end.
 SLOWEST_FIRST = [
-    "tests/test_transformers_floor.py",  # the Hugging Face tests again, on 4.49: ~115 s
+    "tests/test_transformers_floor.py",  # the Hugging Face tests again, on 4.49: 70 s alone
     "tests/test_recipe_scripts.py",  # gpu_check.sh's CPU smoke run: 64-72 s (AMD EPYC)
     "tests/test_hf_sharded.py",  # DeepSpeed and FSDP2 on 2 processes: 95 s in a full run
     "tests/test_demo_rerun.py",  # one test of 84 s: it ran last at d5c6e97

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # the floor of setup.py's hf extra, and what pip picks for them (the hub before 1.0, which
@@ -62,9 +61,7 @@ def test_the_hugging_face_tests_pass_on_the_oldest_admitted_versions():
                           env=env, cwd=REPO, timeout=1200)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    # the skips: TRL's tests (2), Qwen2-VL's 5.x form (1), and the CUDA tests (2) where no
-    # GPU is visible
-    cuda = 0 if torch.cuda.is_available() else 2
-    assert f" {2 + 1 + cuda} skipped" in summary and "failed" not in summary, summary
+    # the skips: TRL's tests (2) and Qwen2-VL's 5.x form (1)
+    assert " 3 skipped" in summary and "failed" not in summary, summary
     assert "trl does not import with transformers 4.49.0" in proc.stdout
     assert "Qwen2-VL's configuration and inputs" in proc.stdout
