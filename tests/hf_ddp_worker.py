@@ -31,6 +31,18 @@ def child_env(*folders, **extra):
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
+def torchrun(worker, *args, env):
+    """Run ``tests/<worker>`` under torchrun on 2 processes; assert that it succeeded,
+    showing what it said otherwise (:func:`failure`)."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+         "2", f"tests/{worker}", *map(str, args)], cwd=REPO, env=env, capture_output=True,
+        text=True, timeout=300)
+    assert proc.returncode == 0, failure(proc)
+
+
 def failure(proc):
     """What a failed torchrun said: the lines naming an error or a signal first (a parent
     run that shows only its end still shows them), then the ends of its output."""

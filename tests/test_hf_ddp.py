@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import CASES, child_env, failure, run  # noqa: E402
+from tests.hf_ddp_worker import CASES, child_env, failure, run, torchrun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,12 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ddp")
-    env = child_env()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", "tests/hf_ddp_worker.py", str(folder), *CASES], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, failure(proc)
+    torchrun("hf_ddp_worker.py", folder, *CASES, env=child_env())
     return folder
 
 
@@ -76,13 +71,8 @@ def test_fsdp2_sharded_model_gives_the_gradient_of_the_whole_batch(tmp_path, pat
     from tests.hf_fsdp_worker import gradients
 
     want, _ = gradients(path == "fused", checkpointing)
-    env = child_env()
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", "tests/hf_fsdp_worker.py", str(tmp_path / "fsdp.pt"), path,
-         *(["checkpointing"] if checkpointing else [])], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, failure(proc)
+    torchrun("hf_fsdp_worker.py", tmp_path / "fsdp.pt", path,
+             *(["checkpointing"] if checkpointing else []), env=child_env())
     got = torch.load(tmp_path / "fsdp.pt")
     assert got["sharded"]  # the head's weight was a shard outside the forward
     assert got["grads"].keys() == want.keys()

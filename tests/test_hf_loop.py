@@ -4,15 +4,13 @@ loop on 2 CPU processes (torchrun, gloo; ACCELERATE_USE_CPU, as ``accelerate lau
 4 examples, whose halves hold different numbers of labelled tokens (so a count of one
 process's items, or a loss without the world-size scale, gives another update)."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import REPO, causal, child_env, failure  # noqa: E402
+from tests.hf_ddp_worker import causal, child_env, torchrun  # noqa: E402
 from tests.hf_loop_worker import loops, step  # noqa: E402
 
 
@@ -27,12 +25,8 @@ def test_the_accelerate_loop_on_two_processes_is_the_plain_loop_on_the_whole_bat
     torch.manual_seed(0)
     before = dict(causal().named_parameters())
     assert max(float((want[n] - p).abs().max()) for n, p in before.items()) > 0.1  # a step
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", "tests/hf_loop_worker.py", str(tmp_path / "accelerate.pt"), "accelerate"],
-        cwd=REPO, env=child_env(ACCELERATE_USE_CPU="true"), capture_output=True, text=True,
-        timeout=300)
-    assert proc.returncode == 0, failure(proc)
+    torchrun("hf_loop_worker.py", tmp_path / "accelerate.pt", "accelerate",
+             env=child_env(ACCELERATE_USE_CPU="true"))
     got = torch.load(tmp_path / "accelerate.pt")
     assert got["processes"] == 2
     assert got["parameters"].keys() == want.keys()

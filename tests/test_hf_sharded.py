@@ -12,7 +12,6 @@ bf16's precision. The loss without its world-size scale (a mutation, run here) m
 half the update."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import child_env, failure  # noqa: E402
+from tests.hf_ddp_worker import child_env, torchrun  # noqa: E402
 from tests.hf_sharded_worker import CASES, RUNNABLE, SHARDED, reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,12 +41,8 @@ def deepspeed_folder():
 def two_processes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sharded")
     # DeepSpeed's CPU processes even where a GPU is visible
-    env = child_env(deepspeed_folder(), DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", "tests/hf_sharded_worker.py", str(folder), *RUNNABLE], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, failure(proc)
+    torchrun("hf_sharded_worker.py", folder, *RUNNABLE,
+             env=child_env(deepspeed_folder(), DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""))
     return folder
 
 
