@@ -24,7 +24,7 @@ import transformers
 from transformers import TrainerCallback, TrainingArguments
 
 from rdrop_fairseq import hf
-from tests.hf_ddp_worker import causal, examples, seq2seq
+from tests.hf_ddp_worker import Unscaled, causal, examples, seq2seq
 
 # case: (sharding, model, fused path, gradient checkpointing, accumulation steps); each
 # sharding with both paths under gradient checkpointing, and without it through the
@@ -47,14 +47,6 @@ SHARDED = ("zero3", "fsdp2")  # the head's weight a shard outside the forward
 FSDP2_IN_THE_TRAINER = int(transformers.__version__.split(".")[0]) >= 5
 RUNNABLE = [case for case, (how, *_) in CASES.items()
             if how != "fsdp2" or FSDP2_IN_THE_TRAINER]
-
-
-class Unscaled(hf.RDropTrainer):
-    """The mutation: the loss without its world-size scale."""
-
-    def compute_loss(self, model, *a, **k):
-        loss = super().compute_loss(model, *a, **k)
-        return loss / self.args.world_size if model.training else loss
 
 
 class HeadShard(TrainerCallback):
@@ -181,6 +173,4 @@ if __name__ == "__main__":
     del os.environ["ACCELERATE_USE_DEEPSPEED"]
     for name in sys.argv[2:]:
         run(sys.argv[1], name)
-    # every rank done with the last collective before any process exits
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    torch.distributed.destroy_process_group()  # (run() ends each case at a barrier)
