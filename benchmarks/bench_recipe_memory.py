@@ -111,8 +111,9 @@ RECIPES = {
 # --------------------------------------------------------------------------- the config
 
 
-def script_command(recipe, python=sys.executable):
-    """The fairseq-hydra-train command (argv) the recipe's script prints for one GPU."""
+def script_command(recipe, python=sys.executable, args=()):
+    """The fairseq-hydra-train command (argv) the recipe's script prints for one GPU;
+    ``args``: the train stage's arguments (hydra overrides)."""
     r = RECIPES[recipe]
     with tempfile.TemporaryDirectory() as tmp:
         # BART_DIR / ROBERTA_DIR given: the dry run fetches nothing
@@ -123,7 +124,7 @@ def script_command(recipe, python=sys.executable):
         env.update(r.env, DRY_RUN="1", GPUS="1", PYTHON=python, DATA_DIR=f"{tmp}/data",
                    SAVE_DIR=f"{tmp}/save", BART_DIR=f"{tmp}/bart", ROBERTA_DIR=f"{tmp}/roberta",
                    RECIPE_MEMORY="/dev/null")  # the table would change the split
-        proc = subprocess.run(["bash", str(REPO / "scripts" / f"{r.script}.sh"), "train"],
+        proc = subprocess.run(["bash", str(REPO / "scripts" / f"{r.script}.sh"), "train", *args],
                               capture_output=True, text=True, env=env, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"the dry run of scripts/{r.script}.sh failed: {proc.stderr[-2000:]}")

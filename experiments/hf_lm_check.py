@@ -20,7 +20,7 @@ embeddings, the residuals and the attention weights; Adam (0.9, 0.98), eps 1e-8,
 weight decay 0.01 on every parameter, lr 2e-3, 100 linear warm-up updates then inverse
 square root decay, no clipping; validation after every epoch, stopping 2 epochs after the
 best validation loss (cap 20 epochs), the best epoch's weights scored on test; R-Drop alpha
-1 with the fused-linear loss (the LM recipe's default; --no-fused-linear: the logits path);
+1 with the fused-linear loss (this check's default; --no-fused-linear: the logits path);
 one CPU thread a run, two runs at a time. Test and valid perplexity as
 rdrop_fairseq.recipes.evaluate_lm scores them: 128-token windows, each scoring its last 64
 tokens with the 64 before them as context, `</s>` counted as a token; and valid perplexity

@@ -47,6 +47,7 @@ prepare() {
 train() {
   need "$BIN/dict.source.txt" "run: bash scripts/cnndm_bart.sh prepare"
   split_batch $(( 4 * 16 * 1024 )) 1024  # the authors: 4 GPUs x 1024 tokens x update-freq 16
+  loss_path bart_large_cnn_rdrop
   local restore
   if [ -f "$SAVE_DIR/checkpoint_last.pt" ]; then  # resume: fairseq's default, nothing reset
     restore=(checkpoint.restore_file=checkpoint_last.pt checkpoint.reset_optimizer=false

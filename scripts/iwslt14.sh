@@ -54,6 +54,7 @@ prepare() {
 train() {
   need "$BIN/dict.$SRC.txt" "run: bash scripts/iwslt14.sh prepare"
   split_batch 4096 4096  # the paper: 1 GPU x 4096 tokens x update-freq 1
+  loss_path transformer_iwslt_de_en_rdrop
   local data_args=()
   if [ "$YEAR" = 17 ]; then
     # separate dictionaries cannot share all embeddings; sentencepiece decoding for the

@@ -51,6 +51,7 @@ train() {
           "model.adaptive_softmax_cutoff=\"'A,B'\""
     fi
   fi
+  loss_path "$CONFIG"
   run "$(fairseq_cli fairseq-hydra-train)" \
       --config-dir "$CONFIGS" --config-name "$CONFIG" \
       common.user_dir="$USER_DIR" task.data="$BIN" \

@@ -80,6 +80,7 @@ prepare() {
 train() {
   need "$BIN/dict.$SRC.txt" "run: PAIR=$PAIR bash scripts/wmt14.sh prepare"
   split_batch $(( 8 * 16 * 4096 )) 4096  # the paper: 8 GPUs x 4096 tokens x update-freq 16
+  loss_path transformer_wmt14_big_rdrop
   run "$(fairseq_cli fairseq-hydra-train)" \
       --config-dir "$CONFIGS" --config-name transformer_wmt14_big_rdrop \
       common.user_dir="$USER_DIR" task.data="$BIN" \

@@ -80,6 +80,9 @@ def test_recipe_end_to_end_on_a_tiny_slice(tmp_path):
                  "task.eval_bleu_args='{\"beam\": 1, \"max_len_b\": 10}'",
                  "common.log_interval=1", GPUS=0, DATA_DIR=prep, SAVE_DIR=save).output
     assert "batch: 1 device(s) x update-freq 1 x max-tokens 4096 = 4096 tokens" in out
+    # the loss path, as the script says it and as the criterion ran it
+    assert "[iwslt14] loss: the logits path (the recipe's default)" in out
+    assert "R-Drop loss: the logits path, --rdrop-impl auto" in out
     kls = [float(x) for x in re.findall(r"rdrop_kl=([\d.]+)", out)]
     assert len(kls) == 6 and all(k > 0 for k in kls), out[-3000:]
     assert re.search(r"valid on 'valid' subset .*\| bleu [\d.]+", out), out[-3000:]

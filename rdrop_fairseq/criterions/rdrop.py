@@ -204,6 +204,10 @@ class RDropMixin:
                 "R-Drop is off (--rdrop-alpha 0 without --rdrop-two-passes): this criterion "
                 f"trains exactly like {parent_name}"
             )
+        elif parent_name in FUSED_LINEAR_PARENTS:  # which loss path runs, in the run's log
+            path = ("the fused-linear path (--rdrop-fused-linear: from the decoder's features)"
+                    if self.rdrop_fused_linear else "the logits path")
+            logger.info(f"R-Drop loss: {path}, --rdrop-impl {impl}")
 
     def forward(self, model, sample, reduce=True):
         if not self.rdrop_active(model):

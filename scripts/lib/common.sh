@@ -216,6 +216,49 @@ set_mode() {
   esac
 }
 
+# loss_path CONFIG: say which R-Drop loss path the training runs, and why: the config's
+# rdrop_fused_linear (configs/CONFIG.yaml; the recipes' default is false, the logits path,
+# the one measured on a GPU) or the user's override among the train arguments (EXTRA).
+# The logits path: the fused loss over the 2N x V logits (rdrop_impl auto: the Triton
+# kernel on CUDA, chunked torch ops elsewhere). The fused-linear path: the loss from the
+# decoder's features and output projection, no logits (docs/benchmarks.md).
+loss_path() {
+  local config=$CONFIGS/$1.yaml arg criterion fused impl=auto why="the recipe's default"
+  # the criterion section's _name and rdrop_fused_linear (default false)
+  read -r criterion fused < <(awk '/^[^ #]/ { in_c = ($1 == "criterion:") }
+    in_c && $1 == "_name:" { name = $2 } in_c && $1 == "rdrop_fused_linear:" { f = $2 }
+    END { print name, (f == "" ? "false" : f) }' "$config")
+  for arg in "${EXTRA[@]}"; do
+    case $arg in
+      criterion.rdrop_fused_linear=*|+criterion.rdrop_fused_linear=*|++criterion.rdrop_fused_linear=*)
+        fused=${arg#*=} why="your override $arg" ;;
+      criterion.rdrop_impl=*|+criterion.rdrop_impl=*|++criterion.rdrop_impl=*) impl=${arg#*=} ;;
+    esac
+  done
+  case $MODE in
+    baseline|doubled-batch)
+      say "loss: ${criterion%_rdrop} as fairseq computes it (MODE=$MODE: alpha 0, one pass)"
+      return ;;
+  esac
+  if [ "$criterion" = adaptive_loss_rdrop ]; then
+    say "loss: the adaptive softmax's R-Drop loss (adaptive_loss_rdrop: chunks of the" \
+        "vocabulary, no fused-linear path)"
+    return
+  fi
+  case ${fused,,} in
+    true|yes|on|1)
+      say "loss: the fused-linear path ($why): the R-Drop loss from the decoder's features," \
+          "no 2N x V logits, rdrop_impl $impl; not measured on a GPU since its rework" \
+          "(docs/benchmarks.md#which-loss-path-the-recipes-run)" ;;
+    false|no|off|0)
+      [ "$impl" != auto ] || impl="auto (the Triton kernel on CUDA)"
+      say "loss: the logits path ($why): the fused R-Drop loss over the 2N x V logits," \
+          "rdrop_impl $impl; criterion.rdrop_fused_linear=true computes it from the" \
+          "decoder's features instead (docs/benchmarks.md#which-loss-path-the-recipes-run)" ;;
+    *) say "loss: rdrop_fused_linear=$fused ($why), as hydra reads it" ;;
+  esac
+}
+
 # split_batch TOTAL PAPER_MAX_TOKENS [MIN_TOKENS]: MAX_TOKENS and UPDATE_FREQ with
 # DEVICES x UPDATE_FREQ x MAX_TOKENS = TOTAL, the paper's tokens per update: the paper's
 # tokens per GPU batch and more update-freq on fewer GPUs; fewer tokens per batch where
