@@ -140,7 +140,7 @@ def count_step_ops(model, criterion, sample):
 
 @contextlib.contextmanager
 def _kernel_launch_as_one_op(ops):
-    module = sys.modules.get("rdrop_fairseq.triton_kernel")
+    module = sys.modules.get("rdrop_fairseq.ops.rows_triton")
     kernel = getattr(module, "_rdrop_rows_kernel", None)
     if kernel is None:
         yield
@@ -267,12 +267,12 @@ def run_loss(method, vocab, tokens, repeats, device="cpu", dtype="float32", proj
             getattr(torch, dtype)).requires_grad_(True)
 
         if fused:
-            from rdrop_fairseq.core import _resolve_impl
+            from rdrop_fairseq.ops.impl import resolve_impl
             from rdrop_fairseq.fused_linear import chunk_pairs, fused_linear_rdrop_loss
 
             impl, chunk_mb = fused
             extra["pairs"] = chunk_pairs(vocab, features, chunk_mb,
-                                         _resolve_impl(impl, features))
+                                         resolve_impl(impl, features))
 
             def step():
                 features.grad = weight.grad = None

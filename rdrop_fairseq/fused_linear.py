@@ -6,8 +6,8 @@ computes from ``logits = features @ weight.T (+ bias)``, a chunk of row *pairs* 
 
 1. the chunk's logits, one matrix product in the model's dtype;
 2. their row statistics, and their gradient written over them: the Triton row kernel
-   (:mod:`rdrop_fairseq.triton_kernel`, one launch) with ``impl="triton"``, the core's
-   chunked torch ops (:func:`rdrop_fairseq.core._rows_torch`) with ``impl="torch"``;
+   (:mod:`rdrop_fairseq.ops.rows_triton`, one launch) with ``impl="triton"``, the
+   chunked torch ops (:func:`rdrop_fairseq.ops.rows_torch.rows_torch`) with ``impl="torch"``;
 3. the features' gradient and the chunk's share of the weight's (and bias's) gradient,
    two more products in the model's dtype.
 
@@ -33,23 +33,16 @@ product takes it in the features' rows (times the power of two :data:`FP16_TARGE
 which the product's ``alpha`` removes), so no operand is upcast.
 """
 
+from collections import namedtuple
+
 import torch
 
-from .core import (
-    RDropBatchError,
-    RDropLoss,
-    _coefficients,
-    _compute_dtype,
-    _kept_rows,
-    _run_with_fallback,
-    _rows_torch,
-    _target_ids,
-    check_alpha_epsilon,
-    chunk_budget_mb,
-    chunk_bytes_per_pair,
-    chunk_rows_for,
-    combine_rows,
-)
+from .core import RDropLoss, check_alpha_epsilon
+from .ops.impl import run_with_fallback
+from .ops.rows import (RDropBatchError, chunk_budget_mb, chunk_bytes_per_pair, chunk_rows_for,
+                       coefficients, compute_dtype, finish_forward, kept_rows, saved_grads,
+                       target_ids)
+from .ops.rows_torch import rows_torch
 
 # With --rdrop-chunk-mb 0 (automatic), at least this many row pairs per chunk: every chunk
 # reads the whole V x d weight twice and updates its V x d gradient, so small chunks make
@@ -103,16 +96,16 @@ def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, e
         raise ValueError(f"bias must be ({weight.size(0)},), got {tuple(bias.shape)}")
     pairs = features.reshape(2, -1, features.size(-1))
     n, vocab = pairs.size(1), weight.size(0)
-    kept = _kept_rows(target, ignore_index, keep, n, pairs)
+    kept = kept_rows(target, ignore_index, keep, n, pairs)
 
     def run(impl):
         rows = chunk_pairs(vocab, features, chunk_mb, impl)
         with torch.autocast(features.device.type, enabled=False):
             return RDropLoss(*_FusedLinearRDrop.apply(
-                pairs, weight, bias, _target_ids(target, kept, impl), kept, alpha,
+                pairs, weight, bias, target_ids(target, kept, impl), kept, alpha,
                 float(epsilon), rows, predictions, torch.is_grad_enabled(), impl))
 
-    return _run_with_fallback(impl, features, run)
+    return run_with_fallback(impl, features, run)
 
 
 def chunk_pairs(vocab, features, chunk_mb=0.0, impl="torch"):
@@ -124,7 +117,7 @@ def chunk_pairs(vocab, features, chunk_mb=0.0, impl="torch"):
     budget = chunk_budget_mb(chunk_mb, features) * 2**20
     per_pair = 2 * vocab * features.element_size()
     if impl != "triton":
-        in_place = features.dtype == _compute_dtype(features)
+        in_place = features.dtype == compute_dtype(features)
         per_pair += chunk_bytes_per_pair(vocab, features.dtype, in_place)
     rows = max(1, int(budget) // per_pair)
     if not chunk_mb:  # automatic: also amortise the weight's traffic over enough rows
@@ -156,86 +149,98 @@ def _add_product(acc, a, b, alpha, zero):
         acc.add_(torch.addmm(zero, a, b, beta=0, alpha=alpha))
 
 
+# The buffers of one call: the features' rows (N, 2, width), a chunk's rows one block, with
+# a column of ones for the bias where it needs a gradient; the features' gradient (N, 2, d)
+# or None; the weight's gradient with the bias's as its last column (V, width, float32) or
+# None; the statistics (5, N); a 0-dim zero of the model's dtype; whether the gradient is
+# stored scaled (fp16); the torch implementation's own chunk within a block
+_Buffers = namedtuple("_Buffers", "rows grad_rows grad_wb stats zero dim scaled need_grad "
+                                  "core_rows")
+
+
 class _FusedLinearRDrop(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pairs, weight, bias, target, kept, alpha, epsilon, chunk_rows,
                 predictions, grad_enabled, impl):
-        n, dim = pairs.size(1), pairs.size(2)
-        vocab = weight.size(0)
-        coef = _coefficients(vocab, epsilon, alpha, True, True)
+        coef = coefficients(weight.size(0), epsilon, alpha, True, True)
         # needs_input_grad follows requires_grad, not the caller's grad mode (forward always
         # runs without grad): under no_grad (validation) a Parameter weight still says True
         need_x, need_w, need_b = (need and grad_enabled for need in ctx.needs_input_grad[:3])
         need_b = need_b and bias is not None
-        need_grad = need_x or need_w or need_b
-        acc, device = _compute_dtype(pairs), pairs.device
-        scaled = need_grad and pairs.dtype == torch.float16  # the gradient's per-row scale
-        # (N, 2, width): a chunk's rows are one block; a column of ones for the bias
-        width = dim + need_b
-        rows = torch.empty((n, 2, width), dtype=pairs.dtype, device=device)
-        rows[..., :dim] = pairs.transpose(0, 1)
-        if need_b:
-            rows[..., dim] = 1
-        grad_rows = torch.empty((n, 2, dim), dtype=pairs.dtype, device=device) if need_x else None
-        # the weight's gradient, and the bias's as its last column
-        grad_wb = torch.zeros((vocab, width), dtype=acc, device=device) if need_w or need_b else None
-        zero = torch.zeros((), dtype=pairs.dtype, device=device)
-        stats = torch.empty((5, n), dtype=acc, device=device)
-        # the torch implementation's own chunk within a block: what its passes keep in cache
-        core_rows = min(chunk_rows, chunk_rows_for(vocab, pairs, 0.0, need_grad))
+        buf = _buffers(pairs, weight.size(0), need_x, need_w, need_b, chunk_rows)
         weight_t = weight.t()
-        for start in range(0, n, chunk_rows):
-            end = min(n, start + chunk_rows)
-            r = end - start
-            block = rows[start:end]
-            x = block[..., :dim].reshape(2 * r, dim)  # a view: rows of stride width
+        for start in range(0, pairs.size(1), chunk_rows):
+            end = min(pairs.size(1), start + chunk_rows)
+            block = buf.rows[start:end]
+            x = block[..., :buf.dim].reshape(2 * (end - start), buf.dim)  # rows of stride width
             logits = torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
-            scores = logits.view(r, 2, vocab).transpose(0, 1)  # (2, r, V): pass 1, pass 2
+            scores = logits.view(end - start, 2, -1).transpose(0, 1)  # (2, r, V): pass 1, 2
             if predictions is not None:
                 torch.argmax(scores, -1, out=predictions[:, start:end])
-            _row_pairs(impl, scores, target[start:end], kept[start:end], need_grad,
-                       stats[:, start:end], coef, core_rows)
-            if not need_grad:
-                continue
-            g = logits  # now the logits' gradient, (2r, V)
-            alpha_w = 1.0
-            if scaled:  # the true gradient is g times stats[4] per row pair (0: excluded)
-                factor = torch.where(kept[start:end], stats[4, start:end], 0).view(r, 1, 1)
-            if need_x:
-                out = grad_rows[start:end]
-                if scaled:
-                    product = _float32_out(torch.mm, g, weight)
-                    product = torch.mm(g, weight) if product is None else product
-                    torch.mul(product.view(r, 2, dim), factor, out=out)
-                else:
-                    torch.mm(g, weight, out=out.view(2 * r, dim))
-            if grad_wb is not None:
-                xs = block.view(2 * r, width)
-                if scaled:  # the scale goes into the rows, times 2**k that alpha removes
-                    xs = torch.mul(block, factor * FP16_TARGET_MAX,
-                                   out=torch.empty_like(block)).view(2 * r, width)
-                    alpha_w = 1.0 / FP16_TARGET_MAX
-                _add_product(grad_wb, g.t(), xs, alpha_w, zero)
-        total, loss, nll, kl = combine_rows(stats, kept, coef, alpha, True, impl)
-        ctx.grads = (grad_rows, grad_wb)
-        ctx.layout = (need_x, need_w, need_b, dim, pairs.dtype, weight.dtype,
+            _row_pairs(impl, scores, target[start:end], kept[start:end], buf.need_grad,
+                       buf.stats[:, start:end], coef, buf.core_rows)
+            if buf.need_grad:  # logits now hold their gradient
+                _gradient_products(buf, logits, block, weight, kept, start, end)
+        ctx.layout = (need_x, need_w, need_b, buf.dim, pairs.dtype, weight.dtype,
                       None if bias is None else bias.dtype)
-        ctx.mark_non_differentiable(loss, nll, kl)
-        ctx.set_materialize_grads(False)  # no zeros made for the logged outputs' gradients
-        return total, loss, nll, kl
+        return finish_forward(ctx, (buf.grad_rows, buf.grad_wb), buf.stats, kept, coef,
+                              alpha, True, impl)
 
     @staticmethod
     def backward(ctx, g_total, *unused):
-        grads = getattr(ctx, "grads", None)
-        if grads is None:
-            raise RuntimeError("fused_linear_rdrop_loss supports one backward per forward")
-        del ctx.grads
-        grad_rows, grad_wb = grads
+        grad_rows, grad_wb = saved_grads(ctx, "fused_linear_rdrop_loss")
         need_x, need_w, need_b, dim, x_dtype, w_dtype, b_dtype = ctx.layout
         grad_x = _times(grad_rows.transpose(0, 1), g_total, x_dtype) if need_x else None
         grad_w = _times(grad_wb[:, :dim], g_total, w_dtype) if need_w else None
         grad_b = _times(grad_wb[:, dim], g_total, b_dtype) if need_b else None
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+
+
+def _buffers(pairs, vocab, need_x, need_w, need_b, chunk_rows):
+    """The call's :data:`_Buffers`, the features copied once into their rows."""
+    n, dim = pairs.size(1), pairs.size(2)
+    need_grad = need_x or need_w or need_b
+    acc, device = compute_dtype(pairs), pairs.device
+    # (N, 2, width): a chunk's rows are one block; a column of ones for the bias
+    width = dim + need_b
+    rows = torch.empty((n, 2, width), dtype=pairs.dtype, device=device)
+    rows[..., :dim] = pairs.transpose(0, 1)
+    if need_b:
+        rows[..., dim] = 1
+    grad_rows = torch.empty((n, 2, dim), dtype=pairs.dtype, device=device) if need_x else None
+    # the weight's gradient, and the bias's as its last column
+    grad_wb = torch.zeros((vocab, width), dtype=acc, device=device) if need_w or need_b else None
+    zero = torch.zeros((), dtype=pairs.dtype, device=device)
+    stats = torch.empty((5, n), dtype=acc, device=device)
+    # the torch implementation's own chunk within a block: what its passes keep in cache
+    core_rows = min(chunk_rows, chunk_rows_for(vocab, pairs, 0.0, need_grad))
+    scaled = need_grad and pairs.dtype == torch.float16  # the gradient's per-row scale
+    return _Buffers(rows, grad_rows, grad_wb, stats, zero, dim, scaled, need_grad, core_rows)
+
+
+def _gradient_products(buf, g, block, weight, kept, start, end):
+    """A chunk's share of the gradients from its logits' gradient ``g`` (2r, V): the
+    features' rows (``g @ W``) and the weight's and bias's sums (``g^T @ rows``), in the
+    model's dtype; a scaled fp16 ``g`` is unscaled on the small results."""
+    r, dim = end - start, buf.dim
+    alpha_w = 1.0
+    if buf.scaled:  # the true gradient is g times stats[4] per row pair (0: excluded)
+        factor = torch.where(kept[start:end], buf.stats[4, start:end], 0).view(r, 1, 1)
+    if buf.grad_rows is not None:
+        out = buf.grad_rows[start:end]
+        if buf.scaled:
+            product = _float32_out(torch.mm, g, weight)
+            product = torch.mm(g, weight) if product is None else product
+            torch.mul(product.view(r, 2, dim), factor, out=out)
+        else:
+            torch.mm(g, weight, out=out.view(2 * r, dim))
+    if buf.grad_wb is not None:
+        xs = block.view(2 * r, block.size(-1))
+        if buf.scaled:  # the scale goes into the rows, times 2**k that alpha removes
+            xs = torch.mul(block, factor * FP16_TARGET_MAX,
+                           out=torch.empty_like(block)).view(2 * r, block.size(-1))
+            alpha_w = 1.0 / FP16_TARGET_MAX
+        _add_product(buf.grad_wb, g.t(), xs, alpha_w, buf.zero)
 
 
 def _row_pairs(impl, scores, target, kept, need_grad, stats, coef, core_rows):
@@ -245,13 +250,13 @@ def _row_pairs(impl, scores, target, kept, need_grad, stats, coef, core_rows):
     the products with the weight (at least MIN_AUTO_PAIRS pairs), the core's ~30 passes
     over a chunk for the cache."""
     if impl == "triton":
-        from .triton_kernel import rdrop_rows_triton
+        from .ops.rows_triton import rdrop_rows_triton
 
         rdrop_rows_triton(scores, target, kept, from_logits=True, need_grad=need_grad,
                           out=scores, stats=stats, fp16_target_max=FP16_TARGET_MAX, **coef)
     else:
-        _, chunk_stats = _rows_torch(scores, target, kept, True, core_rows, need_grad,
-                                     out=scores, fp16_max=FP16_TARGET_MAX, **coef)
+        _, chunk_stats = rows_torch(scores, target, kept, True, core_rows, need_grad,
+                                    out=scores, fp16_max=FP16_TARGET_MAX, **coef)
         stats.copy_(chunk_stats)
 
 

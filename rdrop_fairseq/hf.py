@@ -42,8 +42,9 @@ import transformers
 from packaging.version import Version
 from transformers import Seq2SeqTrainer, Trainer
 
-from .core import (IMPLS, RDropBatchError, chunk_budget_mb, duplicate_net_input,
-                   mse_consistency, rdrop_loss)
+from .core import RDropBatchError, duplicate_net_input, mse_consistency, rdrop_loss
+from .ops.rows import chunk_budget_mb
+from .options import IMPLS
 from .fused_linear import fused_linear_rdrop_loss
 from .hf_kind import (IGNORE_INDEX, KINDS, _decoder_inputs, _is, _logits_of, _probe_call,
                       _router_loss, _takes, _unwrap, read_kind)
@@ -515,7 +516,7 @@ def _checked_impl(impl, use_cpu=False):
     if impl not in IMPLS:
         raise ValueError(f"rdrop_impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        from .triton_kernel import triton_available
+        from .ops.rows_triton import triton_available
 
         if not triton_available():
             raise ValueError("rdrop_impl 'triton' needs the triton package (pip install "

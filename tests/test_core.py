@@ -36,7 +36,6 @@ from rdrop_fairseq.opcount import count_ops
 from tests.test_fused_linear import LargestTensor
 
 REPO = Path(__file__).resolve().parents[1]
-CORE_PATH = REPO / "rdrop_fairseq" / "core.py"
 PAD = 1  # fairseq's usual padding index
 ONE_CHUNK = 1e6  # chunk_mb giving one single chunk
 ROW_CHUNK = 1e-9  # chunk_mb giving one row pair per chunk
@@ -625,10 +624,10 @@ def test_triton_impl_on_cpu_says_what_to_do(monkeypatch):
 def auto_takes_cpu_for_cuda(monkeypatch):
     """impl="auto" decides for CPU tensors as for CUDA ones (the kernel would be its choice),
     with no device given up yet, and triton importable."""
-    from rdrop_fairseq import core, triton_kernel
+    from rdrop_fairseq.ops import impl, rows_triton as triton_kernel
 
-    monkeypatch.setattr(core, "_kernel_device", lambda tensor: tensor.dtype != torch.float64)
-    monkeypatch.setattr(core, "_TRITON_GIVEN_UP", {})
+    monkeypatch.setattr(impl, "_kernel_device", lambda tensor: tensor.dtype != torch.float64)
+    monkeypatch.setattr(impl, "_TRITON_GIVEN_UP", {})
     monkeypatch.setattr(triton_kernel, "triton_available", lambda: True)
     return triton_kernel
 
@@ -713,7 +712,7 @@ def test_auto_does_not_hide_errors_that_are_not_the_kernels(auto_takes_cpu_for_c
     """Only the kernel's own failure to compile or launch (TritonKernelError) makes "auto"
     fall back: a check of ours, running out of memory or an error elsewhere is raised as it
     is, with no warning, and the kernel stays in use."""
-    from rdrop_fairseq import core
+    from rdrop_fairseq.ops import impl
 
     calls = []
     monkeypatch.setattr(auto_takes_cpu_for_cuda, "rdrop_rows_triton",
@@ -722,7 +721,7 @@ def test_auto_does_not_hide_errors_that_are_not_the_kernels(auto_takes_cpu_for_c
         warnings.simplefilter("error")
         with pytest.raises(type(error), match=str(error)):
             logits_call("auto")
-    assert calls == [True] and core._TRITON_GIVEN_UP == {}
+    assert calls == [True] and impl._TRITON_GIVEN_UP == {}
 
 
 class PTXASError(Exception):
@@ -731,10 +730,10 @@ class PTXASError(Exception):
 
 def fallback_where_the_launch_fails(monkeypatch, device):
     """impl="auto" on ``device`` with the Triton kernel's launch failing as on a GPU that
-    Triton does not support (the launch raises, and triton_kernel._launch wraps it): one
+    Triton does not support (the launch raises, and rows_triton._launch wraps it): one
     warning, then the torch implementation's loss and gradients, logits and fused-linear."""
-    from rdrop_fairseq import core, triton_kernel
     from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
+    from rdrop_fairseq.ops import impl, rows_triton as triton_kernel
     from tests.test_fused_linear import inputs
 
     class Unsupported:  # kernel[grid](*args) fails to launch
@@ -744,7 +743,7 @@ def fallback_where_the_launch_fails(monkeypatch, device):
             return launch
 
     monkeypatch.setattr(triton_kernel, "_rdrop_rows_kernel", Unsupported())
-    monkeypatch.setattr(core, "_TRITON_GIVEN_UP", {})
+    monkeypatch.setattr(impl, "_TRITON_GIVEN_UP", {})
     scores, target = make_batch(64, 3000, seed=97, n_pad=3, dtype=torch.float32)
     features, weight, bias, fl_target = inputs(seed=5)
 
@@ -791,7 +790,7 @@ def test_auto_falls_back_on_the_gpu_where_the_kernel_does_not_launch(monkeypatch
 def test_a_failed_launch_is_a_triton_kernel_error_unless_memory_ran_out(error, kind):
     """What the kernel's launch raises (compile, ptxas, driver and build errors of no common
     base) becomes a TritonKernelError with the error chained; out of memory stays itself."""
-    from rdrop_fairseq import triton_kernel
+    from rdrop_fairseq.ops import rows_triton as triton_kernel
 
     class Kernel:  # kernel[grid](*args, **kwargs) raises
         def __init__(self, error):
@@ -814,7 +813,7 @@ def test_a_failed_launch_is_a_triton_kernel_error_unless_memory_ran_out(error, k
 
 def test_auto_without_triton_says_so_once_on_a_gpu_and_never_on_the_cpu(auto_takes_cpu_for_cuda,
                                                                         monkeypatch):
-    from rdrop_fairseq import core
+    from rdrop_fairseq.ops import impl
 
     monkeypatch.setattr(auto_takes_cpu_for_cuda, "triton_available", lambda: False)
     expected = logits_call("torch")
@@ -823,8 +822,8 @@ def test_auto_without_triton_says_so_once_on_a_gpu_and_never_on_the_cpu(auto_tak
         got = logits_call("auto")
     assert len(seen) == 1 and all(torch.equal(a, b) for a, b in zip(got, expected))
     # on the CPU the torch implementation is what "auto" means: nothing to say
-    monkeypatch.setattr(core, "_kernel_device", lambda tensor: False)
-    monkeypatch.setattr(core, "_TRITON_GIVEN_UP", {})
+    monkeypatch.setattr(impl, "_kernel_device", lambda tensor: False)
+    monkeypatch.setattr(impl, "_TRITON_GIVEN_UP", {})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         logits_call("auto")
@@ -960,13 +959,16 @@ def test_mse_consistency_zero_for_equal_halves():
 
 def test_core_imports_without_fairseq():
     code = textwrap.dedent(
-        f"""
-        import importlib.util, sys
+        """
+        import sys, types
         sys.modules["fairseq"] = None  # any "import fairseq..." now fails
 
-        spec = importlib.util.spec_from_file_location("rdrop_core", {str(CORE_PATH)!r})
-        core = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(core)
+        # the package without its __init__ (which registers the plugin with fairseq): the
+        # core and the framework-free modules it imports (ops, options), nothing else
+        package = types.ModuleType("rdrop_fairseq")
+        package.__path__ = [%r]
+        sys.modules["rdrop_fairseq"] = package
+        import rdrop_fairseq.core as core
 
         import torch
         logits = torch.tensor([[0.0, 1.0], [1.0, 0.0]], requires_grad=True)
@@ -976,7 +978,7 @@ def test_core_imports_without_fairseq():
         assert not any(m == "fairseq" or m.startswith("fairseq.") for m in sys.modules
                        if sys.modules[m] is not None)
         print("OK", float(out.kl))
-        """
+        """ % str(REPO / "rdrop_fairseq")
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO

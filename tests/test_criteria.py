@@ -530,7 +530,7 @@ def test_invalid_chunk_size_is_rejected_naming_the_flag(case, chunk_mb):
 
 
 def test_unknown_or_unavailable_impl_is_rejected_naming_the_flag(case, monkeypatch):
-    from rdrop_fairseq import triton_kernel
+    from rdrop_fairseq.ops import rows_triton as triton_kernel
 
     case.build_model(dropout=0.1)
     with pytest.raises(ValueError, match="--rdrop-impl"):

@@ -1,4 +1,4 @@
-"""Tests of the fused Triton kernel (``rdrop_fairseq.triton_kernel``) in Triton's interpreter.
+"""Tests of the fused Triton kernel (``rdrop_fairseq.ops.rows_triton``) in Triton's interpreter.
 
 The kernel runs on CPU tensors with ``TRITON_INTERPRET=1``, which Triton reads when
 ``@triton.jit`` decorates a function: its own library (``tl.sum``...) at the first
@@ -34,7 +34,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 KERNEL_PATH = os.path.normpath(os.path.join(os.path.dirname(__file__), os.pardir,
-                                            "rdrop_fairseq", "triton_kernel.py"))
+                                            "rdrop_fairseq", "ops", "rows_triton.py"))
 
 # Imports triton with the TRITON_INTERPRET its parent chose, loads a copy of the module per
 # variant on first use ("interpreted": with TRITON_INTERPRET=1, "compiled": without), and

@@ -123,7 +123,7 @@ def test_which_environments_a_forked_command_can_take():
     no_threads = {k: v for k, v in same.items() if k != "OMP_NUM_THREADS"}
     assert warm_process.not_warm_because(no_threads, server)  # a real one would use all cores
     # read by torch at its first operator, by oneDNN at its first use, by numpy, dynamo
-    # and triton when they are imported (triton_kernel.py refuses a kernel built under
+    # and triton when they are imported (ops/rows_triton.py refuses a kernel built under
     # another TRITON_INTERPRET), by the loader
     for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "NPY_DISABLE_CPU_FEATURES",
                  "TORCHINDUCTOR_CACHE_DIR", "TRITON_INTERPRET", "GLIBC_TUNABLES"):

@@ -24,8 +24,9 @@ from fairseq.criterions import register_criterion
 from fairseq.criterions.adaptive_loss import AdaptiveLoss, AdaptiveLossConfig
 from torch.utils.checkpoint import checkpoint
 
-from ..core import AUTO_CHUNK_MB, rdrop_loss
-from .rdrop import RDropConfig, RDropMixin
+from ..core import rdrop_loss
+from ..ops.rows import chunk_budget_mb
+from .rdrop import RDropConfig, RDropCriterionMixin
 
 
 @dataclass
@@ -34,7 +35,7 @@ class AdaptiveLossRDropConfig(AdaptiveLossConfig, RDropConfig):
 
 
 @register_criterion("adaptive_loss_rdrop", dataclass=AdaptiveLossRDropConfig)
-class AdaptiveLossRDrop(RDropMixin, AdaptiveLoss):
+class AdaptiveLossRDrop(RDropCriterionMixin, AdaptiveLoss):
     def __init__(self, cfg: AdaptiveLossRDropConfig, task):
         super().__init__(task, cfg.sentence_avg)
         self.init_rdrop_from(cfg, "adaptive_loss")
@@ -92,8 +93,7 @@ def adaptive_rdrop_loss(adaptive_softmax, features, target, padding_idx, alpha,
     """
     n = features.size(0) // 2
     pairs = features.view(2, n, -1)
-    if chunk_mb == 0:
-        chunk_mb = AUTO_CHUNK_MB["cuda" if features.is_cuda else "cpu"]
+    chunk_mb = chunk_budget_mb(chunk_mb, features)  # 0: the device's automatic budget
     vocab = adaptive_softmax.vocab_size
     rows = max(1, int(chunk_mb * 2**20) // (CHUNK_COPIES * 2 * vocab * 4))
     sums = []

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from fairseq.criterions import register_criterion
 from fairseq.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 
-from .rdrop import RDropConfig, RDropMixin
+from .rdrop import RDropConfig, RDropCriterionMixin
 
 
 @dataclass
@@ -14,7 +14,7 @@ class CrossEntropyRDropConfig(CrossEntropyCriterionConfig, RDropConfig):
 
 
 @register_criterion("cross_entropy_rdrop", dataclass=CrossEntropyRDropConfig)
-class CrossEntropyRDropCriterion(RDropMixin, CrossEntropyCriterion):
+class CrossEntropyRDropCriterion(RDropCriterionMixin, CrossEntropyCriterion):
     def __init__(self, cfg: CrossEntropyRDropConfig, task):
         super().__init__(task, cfg.sentence_avg)
         self.init_rdrop_from(cfg, "cross_entropy")

@@ -8,7 +8,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import (
     LabelSmoothedCrossEntropyCriterionConfig,
 )
 
-from .rdrop import RDropConfig, RDropMixin
+from .rdrop import RDropConfig, RDropCriterionMixin
 
 
 @dataclass
@@ -19,7 +19,8 @@ class LabelSmoothedCrossEntropyRDropConfig(LabelSmoothedCrossEntropyCriterionCon
 @register_criterion(
     "label_smoothed_cross_entropy_rdrop", dataclass=LabelSmoothedCrossEntropyRDropConfig
 )
-class LabelSmoothedCrossEntropyRDropCriterion(RDropMixin, LabelSmoothedCrossEntropyCriterion):
+class LabelSmoothedCrossEntropyRDropCriterion(RDropCriterionMixin,
+                                              LabelSmoothedCrossEntropyCriterion):
     def __init__(self, cfg: LabelSmoothedCrossEntropyRDropConfig, task):
         super().__init__(task, cfg.sentence_avg, cfg.label_smoothing, cfg.ignore_prefix_size,
                          cfg.report_accuracy)

@@ -2,7 +2,8 @@
 
 The criteria subclass this mixin and fairseq's own criterion; each is its config (the
 parent's plus :class:`RDropConfig`), an ``__init__`` that passes the parent its options and
-this mixin the config, and :meth:`RDropMixin.rdrop_forward`, the few lines that differ.
+this mixin the config, and :meth:`RDropCriterionMixin.rdrop_forward`, the few lines that
+differ.
 The mixin validates the options (once, when the criterion is built), runs the fairseq
 parent unchanged while the model is not training (validation, ``--eval-bleu``, scoring) or
 when R-Drop is off, and adds the consistency metrics to the parent's. A new option is one
@@ -12,7 +13,6 @@ field of :class:`RDropConfig` plus its use here.
 import argparse
 import logging
 import math
-import os
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -25,8 +25,9 @@ from fairseq.models.transformer import TransformerDecoderBase, TransformerModelB
 from fairseq.modules import FairseqDropout
 from omegaconf import II
 
-from ..core import IMPLS, RDropBatchError, duplicate_net_input, rdrop_loss
+from ..core import RDropBatchError, duplicate_net_input, rdrop_loss
 from ..fused_linear import fused_linear_rdrop_loss
+from ..options import IMPLS, check_impl, has_dropout, non_negative
 
 logger = logging.getLogger(__name__)
 
@@ -98,20 +99,10 @@ NON_NEGATIVE = {
 }
 
 
-def non_negative(value, advice=""):
-    """``value`` as a float, or ValueError if it is not a finite number >= 0 (NaN neither)."""
-    number = float(value)
-    if not number >= 0 or math.isinf(number):
-        raise ValueError(f"must be a finite number >= 0, got {value}{advice}")
-    return number
-
-
 def checked(flag, value):
-    """:func:`non_negative`, the error naming ``flag``."""
-    try:
-        return non_negative(value, NON_NEGATIVE[flag])
-    except ValueError as e:
-        raise ValueError(f"{flag} {e}") from None
+    """``value`` as a float (:func:`~rdrop_fairseq.options.non_negative`), the error naming
+    ``flag`` and saying what to do."""
+    return non_negative(value, flag, NON_NEGATIVE[flag])
 
 
 def checked_while_parsing(flag):
@@ -120,8 +111,8 @@ def checked_while_parsing(flag):
 
     def parse(value):
         float(value)  # not a number: argparse's own "invalid float value"
-        try:
-            return non_negative(value, NON_NEGATIVE[flag])
+        try:  # argparse names the flag itself
+            return non_negative(value, advice=NON_NEGATIVE[flag])
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -133,9 +124,11 @@ def checked_while_parsing(flag):
 FUSED_LINEAR_PARENTS = ("label_smoothed_cross_entropy", "cross_entropy")
 
 
-class RDropMixin:
-    """Shared R-Drop behaviour: call :meth:`init_rdrop_from` (or :meth:`init_rdrop`) from the
-    criterion's ``__init__``, and implement :meth:`rdrop_forward`."""
+class RDropCriterionMixin:
+    """Shared R-Drop behaviour of the fairseq criteria: call :meth:`init_rdrop_from` (or
+    :meth:`init_rdrop`) from the criterion's ``__init__``, and implement
+    :meth:`rdrop_forward`. (The Hugging Face trainers' mixin is
+    :class:`rdrop_fairseq.hf.RDropMixin`.)"""
 
     @classmethod
     def add_args(cls, parser):
@@ -160,31 +153,9 @@ class RDropMixin:
         # checked again here for a config not parsed by fairseq-train (hydra, Python)
         alpha = checked("--rdrop-alpha", rdrop_alpha)
         chunk_mb = checked("--rdrop-chunk-mb", rdrop_chunk_mb)
-        impl = str(rdrop_impl)
-        if impl not in IMPLS:
-            raise ValueError(f"--rdrop-impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-        if impl == "triton":
-            from ..triton_kernel import triton_available
-
-            if not triton_available():
-                raise ValueError(
-                    "--rdrop-impl triton needs the triton package (pip install triton; it "
-                    "ships with torch's CUDA wheels); use --rdrop-impl auto or torch"
-                )
-            # refused here rather than at the first step (which would leave a crash.pt);
-            # Triton's interpreter runs the kernel on CPU tensors, for the tests
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                if cpu:
-                    raise ValueError(
-                        "--rdrop-impl triton needs a CUDA GPU, and --cpu trains on the CPU: "
-                        "use --rdrop-impl auto (the torch implementation on CPU) or torch, or "
-                        "drop --cpu"
-                    )
-                if not torch.cuda.is_available():
-                    raise ValueError(
-                        "--rdrop-impl triton needs a CUDA GPU, and none is available: use "
-                        "--rdrop-impl auto (the torch implementation on CPU) or torch"
-                    )
+        # refused here rather than at the first step (which would leave a crash.pt);
+        # Triton's interpreter runs the kernel on CPU tensors, for the tests
+        impl = check_impl(str(rdrop_impl), "--rdrop-impl", "--cpu" if cpu else None)
         if rdrop_fused_linear and parent_name not in FUSED_LINEAR_PARENTS:
             raise ValueError(
                 f"--rdrop-fused-linear is for {' and '.join(p + '_rdrop' for p in FUSED_LINEAR_PARENTS)}"
@@ -237,7 +208,7 @@ class RDropMixin:
         criterion that takes the target of one pass saves the copy) repeated as ``[x; x]``."""
         if not self._dropout_checked:
             self._dropout_checked = True
-            if self.rdrop_alpha > 0 and not has_stochastic_layers(model):
+            if self.rdrop_alpha > 0 and not has_dropout(model, (FairseqDropout,)):
                 logger.warning(
                     f"--rdrop-alpha {self.rdrop_alpha} but every dropout of the model is 0: "
                     "both passes are identical and the R-Drop KL is always 0. Set --dropout "
@@ -398,13 +369,3 @@ def uses_stock_log_softmax(model):
 
 def _is_method(bound, function):
     return getattr(bound, "__func__", None) is function
-
-
-def has_stochastic_layers(model):
-    """Whether any dropout in ``model`` can make the two halves of ``[x; x]`` differ.
-
-    (LayerDrop cannot: it drops the same layers for the whole batch.)
-    """
-    dropouts = (torch.nn.modules.dropout._DropoutNd, FairseqDropout)
-    return any(isinstance(m, dropouts) and m.p > 0 for m in model.modules())
-

@@ -16,7 +16,7 @@ from fairseq.criterions.sentence_prediction import (
 )
 
 from ..core import mse_consistency
-from .rdrop import RDropConfig, RDropMixin
+from .rdrop import RDropConfig, RDropCriterionMixin
 
 
 @dataclass
@@ -25,7 +25,7 @@ class SentencePredictionRDropConfig(SentencePredictionConfig, RDropConfig):
 
 
 @register_criterion("sentence_prediction_rdrop", dataclass=SentencePredictionRDropConfig)
-class SentencePredictionRDropCriterion(RDropMixin, SentencePredictionCriterion):
+class SentencePredictionRDropCriterion(RDropCriterionMixin, SentencePredictionCriterion):
     def __init__(self, cfg: SentencePredictionRDropConfig, task):
         super().__init__(cfg, task)
         self.init_rdrop_from(cfg, "sentence_prediction")

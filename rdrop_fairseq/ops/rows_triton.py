@@ -32,7 +32,9 @@ gradient, in the dtype of the scores (float32 for float32 scores), and not even 
 with ``need_grad=False`` or ``out``; all arithmetic is float32 in registers.
 
 Importing this module does not need triton (``triton_available()`` tells), and importing
-``rdrop_fairseq`` does not import this module (the core does so lazily). Triton reads
+``rdrop_fairseq`` does not import this module (the core does so lazily). It imports nothing
+of the package either: its tests load it alone, once per interpreter setting. The contract
+it shares with the torch implementation is :mod:`rdrop_fairseq.ops.rows`. Triton reads
 ``TRITON_INTERPRET`` when ``@triton.jit`` runs: for its own library (``tl.sum``...) at the
 first ``import triton`` of the process, for the kernel below at the import of this module.
 So the interpreter (CPU tensors) must be chosen before both.
@@ -53,7 +55,8 @@ __all__ = ["triton_available", "rdrop_rows_triton", "TritonKernelError"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# float16 gradients: each row pair's bound on |g| is scaled to about this (see above)
+# float16 gradients: each row pair's bound on |g| is scaled to about this (see above);
+# rdrop_fairseq.ops.rows.FP16_TARGET_MAX, the torch implementation's, is the same
 FP16_TARGET_MAX = 2.0 ** 14
 
 # Columns per chunk at most, and columns per warp: 8 values per thread and row. Larger
@@ -197,14 +200,14 @@ def _check_inputs(scores, target):
         # the kernel would fail deep inside Triton with an obscure message
         raise ValueError(
             f"TRITON_INTERPRET changed between the first import of triton (interpreter: "
-            f"{_TRITON_INTERPRETED}) and that of rdrop_fairseq.triton_kernel (interpreter: "
+            f"{_TRITON_INTERPRETED}) and that of rdrop_fairseq.ops.rows_triton (interpreter: "
             f"{_KERNEL_INTERPRETED}): set it before both, they read it only then"
         )
     if scores.is_cuda or _KERNEL_INTERPRETED:
         return
     now = os.environ.get("TRITON_INTERPRET", "0") == "1"
     hint = (
-        " (TRITON_INTERPRET=1 is set now, but it was not when rdrop_fairseq.triton_kernel "
+        " (TRITON_INTERPRET=1 is set now, but it was not when rdrop_fairseq.ops.rows_triton "
         "was imported, and Triton reads it only then: set it before importing triton)"
         if now else ""
     )
