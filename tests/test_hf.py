@@ -450,10 +450,10 @@ def test_the_benchmark_times_both_steps_on_the_same_doubled_batch(tmp_path):
     assert table.count("| **RDropTrainer** (alpha 1) |") == 4
     assert table.count("| **RDropTrainer**, fused linear |") == 3
     # --bf16: the Trainer's autocast, under which the fused path multiplies in bf16
-    from rdrop_fairseq import hf
+    from rdrop_fairseq.hf import loss as hf_loss
 
     seen_dtypes = []
-    original = hf.fused_linear_rdrop_loss
+    original = hf_loss.fused_linear_rdrop_loss
 
     def spy(features, weight, *args, **kwargs):
         seen_dtypes.append((features.dtype, weight.dtype))
@@ -461,11 +461,11 @@ def test_the_benchmark_times_both_steps_on_the_same_doubled_batch(tmp_path):
 
     model, inputs = bench_hf.build("causal-lm", 2, 8, shapes["causal-lm"])
     step = bench_hf.make_step("rdrop-fused", model, inputs, tmp_path / "bf16", bf16=True)
-    hf.fused_linear_rdrop_loss = spy
+    hf_loss.fused_linear_rdrop_loss = spy
     try:
         step()
     finally:
-        hf.fused_linear_rdrop_loss = original
+        hf_loss.fused_linear_rdrop_loss = original
     assert seen_dtypes == [(torch.bfloat16, torch.bfloat16)]
     assert model.lm_head.weight.dtype == torch.float32  # the weights stay float32
 

@@ -22,7 +22,8 @@ from transformers import PretrainedConfig  # noqa: E402
 from transformers.models.auto import modeling_auto as auto  # noqa: E402
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING  # noqa: E402
 
-from rdrop_fairseq import hf, hf_kind  # noqa: E402
+from rdrop_fairseq import hf  # noqa: E402
+from rdrop_fairseq.hf import kind as hf_kind, model as hf_model  # noqa: E402
 
 TASKS = ("CAUSAL_LM", "IMAGE_TEXT_TO_TEXT", "SEQ_TO_SEQ_CAUSAL_LM", "MASKED_LM",
          "SEQUENCE_CLASSIFICATION", "TOKEN_CLASSIFICATION")
@@ -97,7 +98,7 @@ def twice_its_own(model, kind):
     ids = hf_kind._probe_tokens(model, vocab, seed=5).repeat(2, 1)
     ids[1] = ids[1].flip(0)
     with torch.no_grad():
-        head = hf._logits_of(model(input_ids=ids, **cache, **(
+        head = hf_model.logits_of(model(input_ids=ids, **cache, **(
             {"decoder_input_ids": ids} if kind == "seq2seq" else {})))
         if kind == "seq2seq":
             labels = hf_kind._probe_tokens(model, head.size(-1), seed=9).repeat(2, 1)

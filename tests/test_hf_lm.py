@@ -533,10 +533,10 @@ def test_uncovered_models_and_versions_are_refused_before_anything_is_made(tmp_p
         make(qa, tmp_path)
     with pytest.raises(ValueError, match="a bare model, without a head"):
         make(BertModel(qa.config), tmp_path)
-    monkeypatch.setattr(hf.transformers, "__version__", "4.48.3")
+    monkeypatch.setattr(hf.trainers.transformers, "__version__", "4.48.3")
     with pytest.raises(RuntimeError, match="supports transformers >= 4.49.0, < 6; this is 4.48.3"):
         make(tiny("gpt2"), tmp_path)
-    monkeypatch.setattr(hf.transformers, "__version__", "6.0.0")
+    monkeypatch.setattr(hf.trainers.transformers, "__version__", "6.0.0")
     with pytest.raises(RuntimeError, match="this is 6.0.0"):
         make(tiny("gpt2"), tmp_path)
     assert list(tmp_path.iterdir()) == []

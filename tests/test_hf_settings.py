@@ -139,8 +139,8 @@ def test_tensor_context_and_sequence_parallelism_are_refused(field):
     setattr(config, field, 2)
     training = types.SimpleNamespace(n_gpu=1, parallelism_config=config)
     with pytest.raises(ValueError, match=f"parallelism \\({field} 2\\) are not supported"):
-        hf._check_parallelism("RDropTrainer", training)
-    hf._check_parallelism("RDropTrainer", types.SimpleNamespace(
+        hf.trainers.check_parallelism("RDropTrainer", training)
+    hf.trainers.check_parallelism("RDropTrainer", types.SimpleNamespace(
         n_gpu=1, parallelism_config=types.SimpleNamespace(tp_size=1, cp_size=None, sp_size=1)))
 
 

@@ -1,21 +1,37 @@
-"""How a Hugging Face model's logits line up with its labels (:func:`read_kind`), read from
-what the model does rather than from its class name, and the small readings of a model and
-its output that :mod:`rdrop_fairseq.hf` shares with it."""
+"""How a Hugging Face model's logits line up with its labels (:func:`model_kind`), read from
+what the model does rather than from its class name: a probe batch goes through the model
+and its own loss is compared with the cross-entropy of its logits read each way. With the
+fused path, also whether its head is what that path computes (:func:`check_fused_head`)."""
 
-import inspect
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
-from transformers.models.auto import modeling_auto as auto
 
-IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
+from .loss import decoder_inputs
+from .model import (IGNORE_INDEX, KINDS, head_module, is_task, logits_bias, logits_of,
+                    router_loss, takes, unwrap)
 
-# How a model's logits line up with its labels: "causal" (position t scores labels[t + 1]),
-# "seq2seq" (decoder logits against labels, decoder inputs the labels shifted right),
-# "encoder" (logits against labels as they are: sequence and token heads, masked LMs, and
-# decoders whose own loss does not shift)
-KINDS = ("causal", "seq2seq", "encoder")
+__all__ = ["model_kind", "read_kind", "check_fused_head"]
+
+# Model configurations whose head does more than a linear layer after the hidden states,
+# which the fused path does not reproduce: attribute, and what it does
+_HEAD_EXTRAS = {
+    "final_logit_softcapping": "soft-caps the logits",
+    "logit_scale": "scales the logits (logit_scale)",
+    "logits_scaling": "divides the logits by logits_scaling",
+}
+
+
+def model_kind(model, kind="auto", fused_linear=False):
+    """How ``model``'s logits line up with its labels, one of ``"causal"``, ``"seq2seq"``,
+    ``"encoder"`` (:func:`read_kind`: read from what the model does with a probe batch, or
+    ``kind`` as given), or a ValueError saying why it cannot be trained here.
+    ``fused_linear``: also check that its head is what the fused path computes."""
+    kind = read_kind(model, kind)
+    if fused_linear:
+        check_fused_head(model, kind)
+    return kind
 
 
 def read_kind(model, kind="auto"):
@@ -30,14 +46,14 @@ def read_kind(model, kind="auto"):
     no token ids (an image classifier, say) is a sequence head if transformers lists it as
     a classifier. ``kind`` one of :data:`KINDS` says it instead (still checked against
     what is covered)."""
-    inner = _unwrap(model)
+    inner = unwrap(model)
     name = type(inner).__name__
     config = getattr(inner, "config", None)
     if getattr(config, "problem_type", None) == "multi_label_classification":
         raise ValueError(f"{name} is set up for multi-label classification (problem_type), "
                          "which R-Drop's loss here does not cover")
     for task, what in _UNCOVERED.items():
-        if _is(inner, task):
+        if is_task(inner, task):
             raise ValueError(f"{name} is {what}, which R-Drop's loss here does not cover. "
                              f"{_COVERED}")
     if kind == "auto":
@@ -58,7 +74,7 @@ _PROBE = (1, 12)  # examples (one: a decoder classifier needs a pad token for mo
 
 
 def _probed_kind(model):
-    inner = _unwrap(model)
+    inner = unwrap(model)
     name = type(inner).__name__
     try:
         vocab = inner.get_input_embeddings().num_embeddings
@@ -71,7 +87,7 @@ def _probed_kind(model):
     try:
         with torch.no_grad():
             extra = {"decoder_input_ids": ids} if is_seq2seq else {}
-            logits = _logits_of(_probe_call(model, name, input_ids=ids, **extra))
+            logits = logits_of(_probe_call(model, name, input_ids=ids, **extra))
             if logits.dim() == 2 and logits.size(0) == _PROBE[0]:
                 return "encoder"  # one output per example: nothing to shift
             kinds = ("seq2seq",) if is_seq2seq else ("causal", "encoder")
@@ -84,7 +100,7 @@ def _compare_losses(model, ids, kinds, classes):
     """The kind (of ``kinds``) whose cross-entropy of the logits is the model's own loss on
     probe batches; probes whose shifted and unshifted losses agree decide nothing. An
     encoder-decoder model's logits are those of the decoder inputs R-Drop makes."""
-    inner = _unwrap(model)
+    inner = unwrap(model)
     name = type(inner).__name__
     half = next(inner.parameters()).dtype in (torch.float16, torch.bfloat16)
     for seed in range(3):
@@ -96,17 +112,17 @@ def _compare_losses(model, ids, kinds, classes):
         labels[0, 3] = IGNORE_INDEX
         outputs = _probe_call(model, name, input_ids=ids, labels=labels)
         if isinstance(outputs, Mapping):
-            own, logits = outputs.get("loss"), _logits_of(outputs)
+            own, logits = outputs.get("loss"), logits_of(outputs)
         else:  # return_dict=False: the loss first where there is one
             own, logits = (outputs[0], outputs[1]) if len(outputs) > 1 else (None, None)
         if not torch.is_tensor(own) or own.dim() != 0:
             raise ValueError(f"{name} returned no loss for labels, so how its logits line up "
                              "with its labels cannot be read from it: pass rdrop_model_kind "
                              f"({', '.join(KINDS)})")
-        own = float(own.double() - _router_loss(model, outputs))
+        own = float(own.double() - router_loss(model, outputs))
         if kinds == ("seq2seq",):
-            logits = _logits_of(_probe_call(model, name, input_ids=ids,
-                                            decoder_input_ids=_decoder_inputs(inner, labels)))
+            logits = logits_of(_probe_call(model, name, input_ids=ids,
+                                            decoder_input_ids=decoder_inputs(inner, labels)))
         logits = logits.double()
         if logits.shape[:2] != labels.shape:
             raise ValueError(f"{name}'s logits {tuple(logits.shape)} do not match a batch of "
@@ -133,31 +149,8 @@ def _compare_losses(model, ids, kinds, classes):
                      f"the labels: pass rdrop_model_kind ({', '.join(KINDS)})")
 
 
-def _decoder_inputs(inner, labels):
-    """The decoder inputs an encoder-decoder model makes from its labels: its own
-    ``prepare_decoder_input_ids_from_labels``, else the labels shifted right after the
-    decoder's start token, -100 as padding (what transformers' models without that method
-    do)."""
-    prepare = getattr(inner, "prepare_decoder_input_ids_from_labels", None)
-    if callable(prepare):
-        return prepare(labels=labels)
-    config = inner.config
-    decoder = getattr(config, "decoder", None)
-    start = getattr(config, "decoder_start_token_id", None)
-    pad = getattr(config, "pad_token_id", None)
-    if start is None or pad is None:
-        start = getattr(decoder, "decoder_start_token_id", start)
-        pad = getattr(decoder, "pad_token_id", pad)
-    if start is None or pad is None:
-        raise ValueError(f"{type(inner).__name__} has no decoder_start_token_id and "
-                         "pad_token_id in its configuration, from which the decoder inputs "
-                         "are made: set them")
-    shifted = torch.cat([labels.new_full(labels[:, :1].shape, start), labels[:, :-1]], dim=1)
-    return shifted.masked_fill(shifted.eq(IGNORE_INDEX), pad)
-
-
 def _probe_call(model, name, **inputs):
-    if _takes(model, "use_cache"):  # no key/value cache (hybrid models' caches refuse a probe)
+    if takes(model, "use_cache"):  # no key/value cache (hybrid models' caches refuse a probe)
         inputs["use_cache"] = False
     try:
         return model(**inputs)
@@ -188,7 +181,7 @@ def _probe_tokens(inner, vocab, seed):
 
 def _kind_without_tokens(inner):
     name = type(inner).__name__
-    if any(_is(inner, task) for task in ("IMAGE_CLASSIFICATION", "AUDIO_CLASSIFICATION",
+    if any(is_task(inner, task) for task in ("IMAGE_CLASSIFICATION", "AUDIO_CLASSIFICATION",
                                          "VIDEO_CLASSIFICATION", "SEQUENCE_CLASSIFICATION")):
         return "encoder"
     raise ValueError(f"{name} takes no token ids (it has no input embeddings), so R-Drop "
@@ -196,63 +189,65 @@ def _kind_without_tokens(inner):
                      f"rdrop_model_kind ({', '.join(KINDS)})")
 
 
+def check_fused_head(model, kind):
+    """Refuse a head the fused path cannot reproduce exactly, naming what differs: the loss
+    is computed from the hidden states the output embedding receives, as ``h W^T + b``."""
+    inner = unwrap(model)
+    name = type(inner).__name__
+    head = head_module(model)
+    if kind == "encoder" and not is_task(inner, "MASKED_LM"):
+        raise ValueError(f"rdrop_fused_linear: {name} has no language-model head (it is for "
+                         "causal, encoder-decoder and masked LMs); leave it False")
+    if "forward" in vars(head):  # accelerate's device hook (device_map, offload), say
+        raise ValueError(f"rdrop_fused_linear: {name}'s output embedding carries a forward of "
+                         "its own (accelerate's hook of device_map='auto' or offloading, "
+                         "say), which the fused path would bypass; leave it False")
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        raise ValueError(f"rdrop_fused_linear: {name}'s output embedding is "
+                         f"{type(head).__name__}, not a plain torch.nn.Linear (an adapter on the "
+                         "head, say), which the fused path cannot reproduce; leave it False")
+    config = getattr(inner, "config", None)
+    for attribute, what in _HEAD_EXTRAS.items():
+        value = getattr(config, attribute, None)
+        if value is not None and value != 1 and value is not False:
+            raise ValueError(f"rdrop_fused_linear: {name}'s head {what} ({attribute} = "
+                             f"{value}) after its linear layer, which the fused path does "
+                             "not reproduce; leave it False")
+    _check_head_is_linear(model, head, kind)
 
-# ------------------------------------------------- readings of a model and its output
 
-def _unwrap(model):
-    """The model itself: inside a DataParallel / DDP wrapper, under a PEFT adapter."""
-    model = getattr(model, "module", model)
-    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
-    return get_base() if callable(get_base) else model
-
-
-def _is(model, task):
-    """Whether ``model``'s class, or one it derives from, is one of transformers' for
-    ``task`` (a subclass of GPT2LMHeadModel is a causal LM too)."""
-    names = _names(task)
-    return any(cls.__name__ in names for cls in type(model).__mro__)
-
-
-def _names(task):
-    """The class names of transformers' auto mapping for ``task`` ("": the bare models)."""
-    mapping = getattr(auto, f"MODEL_FOR_{task}_MAPPING_NAMES" if task else "MODEL_MAPPING_NAMES",
-                      {})
-    names = set()
-    for value in mapping.values():
-        names.update(value if isinstance(value, (tuple, list)) else (value,))
-    return names
-
-
-def _logits_of(outputs):
-    """The logits of a model's output: its ``logits``, or the first element of a tuple
-    (``return_dict=False``)."""
-    if isinstance(outputs, Mapping):
-        logits = outputs.get("logits")
-    elif isinstance(outputs, (tuple, list)) and outputs:
-        logits = outputs[0]
-    else:
-        logits = None
-    if not torch.is_tensor(logits):
-        keys = ", ".join(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
+def _check_head_is_linear(model, head, kind):
+    """What no configuration says: the logits of a small batch (dropout off) are the hidden
+    states the head receives times its weight, plus its bias."""
+    device = head.weight.device
+    ids = torch.arange(1, 6, device=device).remainder(head.weight.size(0)).view(1, 5)
+    inputs = {"input_ids": ids}
+    if kind == "seq2seq":
+        inputs["decoder_input_ids"] = ids
+    seen = []
+    hook = head.register_forward_hook(lambda module, args, output: seen.append(args[0]))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = logits_of(_probe_call(model, type(unwrap(model)).__name__, **inputs))
+            if len(seen) != 1:
+                raise ValueError(f"rdrop_fused_linear: {type(unwrap(model)).__name__} called "
+                                 f"its output embedding {len(seen)} times in one forward, "
+                                 "not once")
+            bias = logits_bias(model, head)
+            fused = F.linear(seen[0].float(), head.weight.float(),
+                             None if bias is None else bias.float())
+            logits = logits.float()
+    finally:
+        hook.remove()
+        model.train(was_training)
+    scale = logits.abs().max().clamp_min(1e-6)
+    difference = float((logits - fused).abs().max() / scale)
+    tolerance = 1e-4 if head.weight.dtype == torch.float32 else 2e-2
+    if not difference <= tolerance:
         raise ValueError(
-            f"the model's output has no 'logits' (it has: {keys}); R-Drop needs the logits "
-            "of a classification, token-classification or language-model head")
-    return logits
-
-
-def _router_loss(model, outputs):
-    """The router (load-balancing) loss a mixture of experts adds to its own loss when its
-    configuration has ``router_aux_loss_coef`` and it returns ``aux_loss``, else 0."""
-    aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else None
-    config = getattr(_unwrap(model), "config", None)
-    coef = getattr(config, "router_aux_loss_coef", None)
-    if coef is None and hasattr(config, "get_text_config"):  # a vision-language wrapper's
-        coef = getattr(config.get_text_config(), "router_aux_loss_coef", None)
-    if not torch.is_tensor(aux) or not coef:
-        return 0.0
-    return coef * aux
-
-
-def _takes(model, argument):
-    """Whether the model's forward names ``argument``."""
-    return argument in inspect.signature(_unwrap(model).forward).parameters
+            f"rdrop_fused_linear: {type(unwrap(model)).__name__}'s logits are not its output "
+            f"embedding applied to the hidden states it receives (relative difference "
+            f"{difference:.2g}): the head does something the fused path does not reproduce "
+            "(a scale or a cap after the projection, say); leave rdrop_fused_linear False")

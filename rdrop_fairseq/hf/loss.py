@@ -1,0 +1,364 @@
+"""R-Drop's training loss of one batch of a Hugging Face model: everything a batch touches.
+
+:func:`rdrop_hf_loss` doubles the batch (:func:`doubled_batch`; an encoder-decoder model's
+decoder inputs made from its labels first, :func:`decoder_inputs`), runs the model once on
+``[x; x]`` and computes the loss through the logits (:func:`rdrop_fairseq.core.rdrop_loss`)
+or, with ``fused_linear``, inside the output embedding's own call from the hidden states it
+receives (:func:`rdrop_fairseq.fused_linear.fused_linear_rdrop_loss`). Labels are checked
+against the head (shapes always, values on the first batch, then on the device without
+waiting); the sum is divided by the labelled items of one pass (:func:`labelled_items`).
+"""
+
+import math
+from collections import namedtuple
+
+import torch
+import torch.nn.functional as F
+
+from ..core import RDropBatchError, duplicate_net_input, mse_consistency, rdrop_loss
+from ..fused_linear import fused_linear_rdrop_loss
+from .model import (IGNORE_INDEX, head_module, logits_bias, logits_of, router_loss, takes,
+                    unwrap)
+
+__all__ = ["RDropHFLoss", "rdrop_hf_loss", "labelled_items", "doubled_batch",
+           "decoder_inputs"]
+
+# Batch entries that hold images or videos in the order they appear in the batch (Qwen-VL's
+# flattened patches with their grids, LLaVA's images, Idefics' per-example stacks): [x; x]
+# shows them again in that order, so they are repeated along dim 0 whatever its size
+_VISUAL_PREFIXES = ("pixel_values", "pixel_attention_mask", "image_", "video_",
+                    "second_per_grid_ts")
+
+RDropHFLoss = namedtuple("RDropHFLoss", "loss outputs nll kl items correct entropy")
+RDropHFLoss.__doc__ = """Result of :func:`rdrop_hf_loss`. ``loss``: what to call
+``backward()`` on; ``outputs``: the model's output for ``[x; x]`` (its ``logits`` a stand-in
+on the fused path); for logging, detached and not synchronised: ``nll``, the plain
+cross-entropy of both passes summed over the labelled items (the squared errors for
+regression), ``kl``, the symmetric KL summed over them (regression: the squared difference),
+``items``, the labelled items of one pass in this batch, ``correct``, the labelled items
+of both passes whose highest logit is the label (with ``accuracy=True``, else None), and
+``entropy``, the entropy of the predicted distribution summed over the labelled items of
+both passes (with ``accuracy=True`` through the logits; None through the fused path,
+which makes no logits)."""
+
+# what a path of the loss returns: the model's outputs, the differentiable sum, and the
+# logged figures (see RDropHFLoss)
+_Computed = namedtuple("_Computed", "outputs total nll kl correct entropy")
+
+
+def labelled_items(labels, causal=False):
+    """Labelled items of one pass in ``labels``, as a tensor (no host-device sync):
+    examples of a regression batch (float labels), else labels other than -100 (for a
+    causal LM, from the second position on: the model predicts token t+1 at t)."""
+    if labels.is_floating_point():
+        return torch.full((), labels.size(0), device=labels.device)  # a fill: no copy
+    if causal:
+        labels = labels[..., 1:]
+    return labels.ne(IGNORE_INDEX).sum()
+
+
+def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
+                  num_items_in_batch=None, world_size=1, impl="auto", fused_linear=False,
+                  chunk_mb=0.0, grad_in_scores="auto", check_labels=False, accuracy=False,
+                  accumulation_steps=1):
+    """R-Drop's training loss of one batch of a Hugging Face model (the trainers' own code),
+    for a loop of your own::
+
+        kind = model_kind(model)                      # once, before training
+        out = rdrop_hf_loss(model, batch, kind=kind, alpha=1.0)
+        out.loss.backward()
+
+    ``inputs``: the batch as the model takes it, with ``labels`` (-100: no loss). ``kind``:
+    :func:`~rdrop_fairseq.hf.kind.model_kind`'s answer. ``label_smoothing``: Hugging Face's
+    factor (``f / V`` on every class). ``num_items_in_batch``: what the sum is divided by,
+    the labelled items of one pass (:func:`labelled_items`) summed over the accumulated
+    micro-batches and the processes; None: this batch's. ``world_size``: the processes
+    whose gradients DDP averages when the count is over all of them (the loss is multiplied
+    by it, so that the average is the whole batch's gradient). ``accumulation_steps``: the
+    micro-batches whose gradients add up to one update, when ``num_items_in_batch`` counts
+    them all (a mixture of experts' router loss, a mean per micro-batch, is divided by it,
+    and not multiplied by ``world_size``: DDP's average of the processes' means is the
+    whole batch's). ``impl``, ``fused_linear``, ``chunk_mb``: as the trainers' ``rdrop_*``
+    options. ``grad_in_scores``: as :func:`rdrop_fairseq.core.rdrop_loss`; by default the
+    logits' buffer may take their gradient, so pass False to read ``outputs.logits``
+    afterwards. ``check_labels``: check on the host that the labels are class indices of
+    the head (it waits for the device: the first batch's); later batches are checked on the
+    device without waiting. ``accuracy``: also count the labelled items whose highest logit
+    is the label (``correct``) and, through the logits, sum their entropy (one more pass
+    over the logits, a chunk of rows at a time). With every dropout off the two passes are
+    the same and the KL is 0."""
+    labels = _checked_labels(inputs)
+    doubled = doubled_batch(_model_inputs(model, inputs, labels, kind), labels.size(0))
+    # a causal LM predicts token t+1 at position t: the target of t is labels[t + 1]
+    target = _shifted(labels) if kind == "causal" else labels
+    options = dict(alpha=alpha, smoothing=label_smoothing, impl=impl, accuracy=accuracy,
+                   check_labels=check_labels)
+    if fused_linear:
+        got = _through_fused_head(model, doubled, target, chunk_mb=chunk_mb, **options)
+    else:
+        got = _through_logits(model, doubled, target, grad_in_scores=grad_in_scores, **options)
+    items = labelled_items(labels, causal=kind == "causal")
+    count = items if num_items_in_batch is None else num_items_in_batch
+    loss = got.total / torch.as_tensor(count, device=got.total.device).clamp_min(1)
+    if world_size != 1:
+        loss = loss * world_size
+    # each pass's router loss, as the model's own loss adds it
+    loss = loss + 2 * router_loss(model, got.outputs) / accumulation_steps
+    return RDropHFLoss(loss, got.outputs, got.nll, got.kl, items, got.correct, got.entropy)
+
+
+def _checked_labels(inputs):
+    """The batch's labels; a batch R-Drop cannot train on is refused, saying what to do."""
+    labels = inputs.get("labels")
+    if not torch.is_tensor(labels):
+        raise RDropBatchError(
+            f"a training batch without 'labels' (its keys: {', '.join(sorted(inputs))}): "
+            "R-Drop's loss needs the labels of every training batch (-100 marks the tokens "
+            "without one)")
+    if any(key.startswith("cu_seq_lens") for key in inputs):
+        raise RDropBatchError(
+            "a padding-free batch (its sequences packed into one row, cu_seq_lens_*) cannot "
+            "go through the model twice as [x; x]: set padding_free=False (TRL: and a "
+            "packing strategy other than 'bfd')")
+    return labels
+
+
+def _model_inputs(model, inputs, labels, kind):
+    """What the model is given: the batch without its labels (the loss is R-Drop's), no
+    key/value cache of the doubled batch, and an encoder-decoder model's decoder inputs
+    made from the labels where the batch has none (what the model does with labels)."""
+    features = {key: value for key, value in inputs.items() if key != "labels"}
+    if takes(model, "use_cache"):
+        features.setdefault("use_cache", False)
+    if kind == "seq2seq" and features.get("decoder_input_ids") is None:
+        features["decoder_input_ids"] = decoder_inputs(unwrap(model), labels)
+    return features
+
+
+def _through_logits(model, doubled, target, *, alpha, smoothing, impl, accuracy,
+                    check_labels, grad_in_scores):
+    """The loss from the model's logits: R-Drop's fused loss over the classes, or for a
+    one-output head the squared errors and their consistency term."""
+    outputs = model(**doubled)
+    logits = logits_of(outputs)
+    regression = _check_head(logits, target, model)
+    if check_labels and not regression:
+        _check_class_indices(target, logits.size(-1))
+    if regression:
+        predictions = logits.view(-1).float()
+        y = target.reshape(-1).float()
+        nll = F.mse_loss(predictions, torch.cat([y, y]), reduction="sum")
+        kl = mse_consistency(predictions)
+        return _Computed(outputs, nll + alpha * kl, nll.detach(), kl.detach(), None, None)
+    vocab = logits.size(-1)
+    _assert_class_indices_async(target, vocab)
+    correct = entropy = None
+    if accuracy:  # before the loss: the logits' buffer may then take their gradient
+        correct = _correct(logits.detach().argmax(-1).view(2, -1), target)
+        entropy = _entropy_sum(logits.detach().view(2, -1, vocab), target)
+    # the logits' own buffer may take their gradient, unless the caller reads them
+    result = rdrop_loss(logits, target, alpha=alpha, epsilon=_fairseq_epsilon(smoothing, vocab),
+                        ignore_index=IGNORE_INDEX, impl=impl, grad_in_scores=grad_in_scores)
+    return _Computed(outputs, result.total, result.nll, result.kl, correct, entropy)
+
+
+def _through_fused_head(model, doubled, target, *, alpha, smoothing, impl, accuracy,
+                        check_labels, chunk_mb):
+    """The loss computed inside the output embedding's call (:func:`_fused_forward`)."""
+    predictions = (torch.empty((2, target.numel()), dtype=torch.long, device=target.device)
+                   if accuracy else None)
+    outputs, result = _fused_forward(
+        model, doubled, target, alpha=alpha, smoothing=smoothing, chunk_mb=chunk_mb,
+        impl=impl, check_labels=check_labels, predictions=predictions)
+    correct = _correct(predictions, target) if accuracy else None
+    return _Computed(outputs, result.total, result.nll, result.kl, correct, None)
+
+
+def _entropy_sum(pairs, target, rows=1024):
+    """The entropy of softmax(logits) summed over the labelled rows of both passes
+    (``pairs``: ``(2, n, V)``), in float32 a chunk of ``rows`` at a time (no n x V float32
+    copy)."""
+    kept = target.reshape(-1).ne(IGNORE_INDEX)
+    total = pairs.new_zeros((), dtype=torch.float32)
+    for start in range(0, pairs.size(1), rows):
+        log_p = torch.log_softmax(pairs[:, start:start + rows].float(), -1)
+        per_row = -(log_p.exp() * log_p).sum(-1)
+        total = total + per_row.masked_fill(~kept[start:start + rows], 0).sum()
+    return total
+
+
+def _correct(predictions, target):
+    """Labelled items of both passes (``predictions``: ``(2, n)`` argmaxes) whose prediction
+    is the target."""
+    target = target.reshape(1, -1)
+    return (predictions.eq(target) & target.ne(IGNORE_INDEX)).sum()
+
+
+def doubled_batch(features, batch):
+    """``[x; x]`` of a batch's features: every per-example tensor repeated along dim 0; the
+    images and videos of vision-language batches repeated in their order of appearance
+    (:data:`_VISUAL_PREFIXES`); 3-D position ids (Qwen-VL's multimodal rotary positions,
+    ``(3, B, L)``) repeated along their batch dimension. Anything else whose dim 0 is not
+    the batch is refused, naming it."""
+    visual, rest = {}, {}
+    for key, value in features.items():
+        if torch.is_tensor(value) and key.startswith(_VISUAL_PREFIXES):
+            visual[key] = torch.cat([value, value])
+        elif key == "position_ids" and torch.is_tensor(value) and value.dim() == 3:
+            if value.size(1) != batch:
+                raise RDropBatchError(f"cannot duplicate inputs['position_ids'] of shape "
+                                      f"{tuple(value.shape)}: expected (sections, {batch}, "
+                                      "length)")
+            visual[key] = torch.cat([value, value], dim=1)
+        else:
+            rest[key] = value
+    return {**duplicate_net_input(rest, batch, _path="inputs"), **visual}
+
+
+def decoder_inputs(inner, labels):
+    """The decoder inputs an encoder-decoder model makes from its labels: its own
+    ``prepare_decoder_input_ids_from_labels``, else the labels shifted right after the
+    decoder's start token, -100 as padding (what transformers' models without that method
+    do)."""
+    prepare = getattr(inner, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    config = inner.config
+    decoder = getattr(config, "decoder", None)
+    start = getattr(config, "decoder_start_token_id", None)
+    pad = getattr(config, "pad_token_id", None)
+    if start is None or pad is None:
+        start = getattr(decoder, "decoder_start_token_id", start)
+        pad = getattr(decoder, "pad_token_id", pad)
+    if start is None or pad is None:
+        raise ValueError(f"{type(inner).__name__} has no decoder_start_token_id and "
+                         "pad_token_id in its configuration, from which the decoder inputs "
+                         "are made: set them")
+    shifted = torch.cat([labels.new_full(labels[:, :1].shape, start), labels[:, :-1]], dim=1)
+    return shifted.masked_fill(shifted.eq(IGNORE_INDEX), pad)
+
+
+def _fused_forward(model, inputs, target, *, alpha, smoothing, chunk_mb, impl, check_labels,
+                   predictions=None):
+    """One forward of ``inputs`` in which the output embedding's own call computes R-Drop's
+    loss from the hidden states it receives: its weight is used where the model uses it,
+    whole under FSDP and ZeRO-3 (which gather it for the call), and reached from the
+    outputs for DDP's search for unused parameters, since the head returns the loss as a
+    1-element stand-in for the logits (whatever the model adds to its logits, a bias,
+    broadcasts to a small tensor). Under autocast the products are in autocast's dtype,
+    as the head's own would be. Returns the outputs and the :data:`core.RDropLoss`."""
+    head = head_module(model)
+    results = []
+
+    def fused(hidden):
+        weight, bias = head.weight, logits_bias(model, head)
+        dtype = _autocast_dtype(hidden.device.type)
+        if dtype is not None:
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        vocab = weight.size(0)
+        if check_labels:
+            _check_class_indices(target, vocab)
+        _assert_class_indices_async(target, vocab)
+        result = fused_linear_rdrop_loss(
+            hidden, weight, target, bias=bias, alpha=alpha,
+            epsilon=_fairseq_epsilon(smoothing, vocab), ignore_index=IGNORE_INDEX,
+            chunk_mb=chunk_mb, impl=impl, predictions=predictions)
+        results.append(result)
+        return result.total.view((1,) * hidden.dim())
+
+    # the head's output as its hooks leave it: DeepSpeed ZeRO-3's turn the stand-in into a
+    # tensor whose backward gathers the weight again, so the loss is taken from it
+    returned = []
+    hook = head.register_forward_hook(lambda module, args, output: returned.append(output))
+    previous = vars(head).get("forward")
+    head.forward = fused
+    try:
+        outputs = model(**inputs)
+    finally:
+        hook.remove()
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
+    if len(results) != 1:
+        raise ValueError(f"rdrop_fused_linear: the model called its output embedding "
+                         f"{len(results)} times in one forward, not once")
+    return outputs, results[0]._replace(total=returned[0].reshape(()))
+
+
+def _autocast_dtype(device_type):
+    """The dtype autocast runs matrix products in on ``device_type``, or None where it is
+    off (the functions taking a device type came with torch 2.4)."""
+    if hasattr(torch, "get_autocast_dtype"):
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+        return None
+    if device_type == "cpu":
+        return torch.get_autocast_cpu_dtype() if torch.is_autocast_cpu_enabled() else None
+    return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+
+
+def _shifted(labels):
+    """``labels`` moved one position left, -100 at the end: the target of each position of a
+    causal LM (what its loss does with ``labels[..., 1:]``, without slicing the logits)."""
+    return torch.cat([labels[..., 1:], labels.new_full(labels[..., :1].shape, IGNORE_INDEX)],
+                     dim=-1)
+
+
+def _fairseq_epsilon(smoothing, vocab):
+    """Hugging Face's label smoothing ``f`` (``(1 - f)`` on the target plus ``f / V`` on
+    every class) as the core's ``epsilon`` (fairseq's: ``1 - eps`` on the target, ``eps /
+    (V - 1)`` on each other class): ``eps = f (V - 1) / V``."""
+    return smoothing * (vocab - 1) / vocab if smoothing and vocab > 1 else 0.0
+
+
+def _check_head(logits, labels, model):
+    """Whether the head is a regression; a ValueError saying what to change where the labels
+    do not fit the logits (shapes and dtypes only: nothing read back from the device)."""
+    problem = getattr(getattr(unwrap(model), "config", None), "problem_type", None)
+    batch = labels.size(0)
+    if logits.size(0) != 2 * batch:
+        raise ValueError(f"R-Drop: the model returned logits of shape "
+                         f"{tuple(logits.shape)} for a doubled batch of {2 * batch} rows")
+    if logits.dim() == 2 and logits.size(-1) == 1:
+        if not labels.is_floating_point():
+            raise ValueError(
+                f"R-Drop: the head has one output (regression) but the labels are "
+                f"{labels.dtype}: give float labels (e.g. an STS-B score), or a head with "
+                "num_labels >= 2 for classes")
+        if labels.numel() != batch:
+            raise ValueError(f"R-Drop: regression labels must be one number per "
+                             f"example, got shape {tuple(labels.shape)}")
+        return True
+    if problem == "regression" or labels.is_floating_point():
+        raise ValueError(
+            f"R-Drop: {labels.dtype} labels with a head of {logits.size(-1)} outputs: "
+            "multi-label classification and multi-output regression are not supported; "
+            "give class indices (torch.long), or a one-output head for regression")
+    one_pass = (batch, *logits.shape[1:-1])  # a label per example, or per token
+    if labels.numel() != math.prod(one_pass):
+        raise ValueError(f"R-Drop: labels of shape {tuple(labels.shape)} do not fit "
+                         f"logits of shape {tuple(logits.shape)} (both passes): expected "
+                         f"{one_pass}, one pass's")
+    return False
+
+
+def _bad_class_indices(labels, classes):
+    return ~(labels.eq(IGNORE_INDEX) | (labels.ge(0) & labels.lt(classes)))
+
+
+def _check_class_indices(labels, classes):
+    bad = _bad_class_indices(labels, classes)
+    if bool(bad.any()):
+        values = sorted(set(labels[bad].tolist()))[:10]
+        raise ValueError(f"R-Drop: labels {values} are not class indices of a head with "
+                         f"{classes} outputs (0 to {classes - 1}, or -100 for none)")
+
+
+def _assert_class_indices_async(labels, classes):
+    """After the first batch: checked without waiting for the device (on CUDA, a device-side
+    assert rather than the Triton kernel reading out of bounds)."""
+    torch._assert_async(~_bad_class_indices(labels, classes).any(),
+                        f"R-Drop: a label is not a class index (0 to {classes - 1}, "
+                        "or -100)")

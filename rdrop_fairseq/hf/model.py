@@ -1,0 +1,101 @@
+"""What the Hugging Face layer reads off a model and its output, shared by the loss
+(:mod:`.loss`), the kind probe (:mod:`.kind`) and the trainers (:mod:`.trainers`)."""
+
+import inspect
+from collections.abc import Mapping
+
+import torch
+from transformers.models.auto import modeling_auto as auto
+
+__all__ = ["IGNORE_INDEX", "KINDS", "unwrap", "is_task", "logits_of", "router_loss", "takes",
+           "head_module", "logits_bias"]
+
+IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
+
+# How a model's logits line up with its labels: "causal" (position t scores labels[t + 1]),
+# "seq2seq" (decoder logits against labels, decoder inputs the labels shifted right),
+# "encoder" (logits against labels as they are: sequence and token heads, masked LMs, and
+# decoders whose own loss does not shift)
+KINDS = ("causal", "seq2seq", "encoder")
+
+
+def unwrap(model):
+    """The model itself: inside a DataParallel / DDP wrapper, under a PEFT adapter."""
+    model = getattr(model, "module", model)
+    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
+    return get_base() if callable(get_base) else model
+
+
+def is_task(model, task):
+    """Whether ``model``'s class, or one it derives from, is one of transformers' for
+    ``task`` (a subclass of GPT2LMHeadModel is a causal LM too)."""
+    names = _names(task)
+    return any(cls.__name__ in names for cls in type(model).__mro__)
+
+
+def _names(task):
+    """The class names of transformers' auto mapping for ``task`` ("": the bare models)."""
+    mapping = getattr(auto, f"MODEL_FOR_{task}_MAPPING_NAMES" if task else "MODEL_MAPPING_NAMES",
+                      {})
+    names = set()
+    for value in mapping.values():
+        names.update(value if isinstance(value, (tuple, list)) else (value,))
+    return names
+
+
+def logits_of(outputs):
+    """The logits of a model's output: its ``logits``, or the first element of a tuple
+    (``return_dict=False``)."""
+    if isinstance(outputs, Mapping):
+        logits = outputs.get("logits")
+    elif isinstance(outputs, (tuple, list)) and outputs:
+        logits = outputs[0]
+    else:
+        logits = None
+    if not torch.is_tensor(logits):
+        keys = ", ".join(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
+        raise ValueError(
+            f"the model's output has no 'logits' (it has: {keys}); R-Drop needs the logits "
+            "of a classification, token-classification or language-model head")
+    return logits
+
+
+def router_loss(model, outputs):
+    """The router (load-balancing) loss a mixture of experts adds to its own loss when its
+    configuration has ``router_aux_loss_coef`` and it returns ``aux_loss``, else 0."""
+    aux = outputs.get("aux_loss") if isinstance(outputs, Mapping) else None
+    config = getattr(unwrap(model), "config", None)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if coef is None and hasattr(config, "get_text_config"):  # a vision-language wrapper's
+        coef = getattr(config.get_text_config(), "router_aux_loss_coef", None)
+    if not torch.is_tensor(aux) or not coef:
+        return 0.0
+    return coef * aux
+
+
+def takes(model, argument):
+    """Whether the model's forward names ``argument``."""
+    return argument in inspect.signature(unwrap(model).forward).parameters
+
+
+def head_module(model):
+    """The output embedding (the language-model head's projection) that the model calls:
+    under PEFT's ``modules_to_save=["lm_head"]``, the active adapter's trainable copy."""
+    inner = unwrap(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    copies = getattr(head, "modules_to_save", None)
+    if isinstance(copies, torch.nn.ModuleDict):  # peft's ModulesToSaveWrapper
+        active = [name for name in getattr(head, "active_adapters", []) if name in copies]
+        head = (copies[active[0]] if active and not head.disable_adapters
+                else head.original_module)
+    return head
+
+
+def logits_bias(model, head):
+    """The bias of the logits: the head's, plus the one the model adds after it (BART's and
+    Marian's ``final_logits_bias``), or None."""
+    extra = getattr(unwrap(model), "final_logits_bias", None)
+    if not torch.is_tensor(extra):
+        return head.bias
+    extra = extra.view(-1).to(head.weight.dtype)
+    return extra if head.bias is None else head.bias + extra

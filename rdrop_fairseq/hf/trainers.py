@@ -1,0 +1,338 @@
+"""The trainers: :class:`RDropMixin`, which gives a ``transformers.Trainer`` subclass R-Drop's
+training loss (:func:`~rdrop_fairseq.hf.loss.rdrop_hf_loss`), :class:`RDropTrainer` and
+:class:`RDropSeq2SeqTrainer`; the checks of the arguments and of where it trains (made when
+the trainer is made, before the Trainer makes its output_dir); and what the trainers need of
+transformers' versions."""
+
+import dataclasses
+import inspect
+import warnings
+from collections.abc import Mapping
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import Seq2SeqTrainer, Trainer
+
+from ..core import RDropBatchError
+from ..options import check_impl, has_dropout, non_negative
+from .kind import model_kind
+from .loss import labelled_items, rdrop_hf_loss
+from .model import KINDS, unwrap
+
+__all__ = ["RDropMixin", "RDropTrainer", "RDropSeq2SeqTrainer", "RDropOptions",
+           "TRANSFORMERS_RANGE", "check_transformers_version", "declare_loss_scaling",
+           "warmup_arguments", "check_parallelism", "check_trl_loss"]
+
+# The transformers versions admitted (setup.py's hf extra says the same; tests check both):
+# 4.48.0 accumulates a wrong gradient, and before 4.49 DeepSpeed divides a loss already
+# normalised over the accumulated batch by the accumulation steps again
+TRANSFORMERS_RANGE = ("4.49.0", "6")
+
+
+def check_transformers_version(version=None):
+    """A clear error where the installed transformers is outside :data:`TRANSFORMERS_RANGE`."""
+    version = Version(version or transformers.__version__)
+    low, high = (Version(v) for v in TRANSFORMERS_RANGE)
+    if not low <= version < high:
+        raise RuntimeError(
+            f"rdrop_fairseq.hf supports transformers >= {low}, < {high}; this is {version}: "
+            f"pip install 'transformers>={low},<{high}' (before {low} the Trainer's "
+            "gradient-accumulation rules differ between patch releases)")
+
+
+def declare_loss_scaling(trainer, scaled):
+    """Tell ``trainer`` whether its ``compute_loss`` returns a loss already divided by the
+    labelled items of the whole accumulated batch (``scaled``: the Trainer must not divide
+    it by the accumulation steps) or a mean over each micro-batch (it must). transformers
+    5.19 and later read ``loss_is_scaled_for_ga``; 4.49 to 5.18 decide from
+    ``model_accepts_loss_kwargs`` (and, from 4.53, a ``num_items_in_batch`` that is not
+    None, which :meth:`RDropMixin.get_batch_samples` always gives), which also says whether
+    the Trainer passes ``num_items_in_batch`` to the model."""
+    trainer.loss_is_scaled_for_ga = scaled
+    trainer.model_accepts_loss_kwargs = scaled
+
+
+def warmup_arguments(fraction):
+    """TrainingArguments options for a linear warm-up over ``fraction`` of the updates:
+    ``--warmup_ratio`` where TrainingArguments has it (transformers 4), ``--warmup_steps``
+    with the fraction otherwise (transformers 5 reads a value below 1 as a ratio)."""
+    from transformers import TrainingArguments
+
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    return ["--warmup_ratio" if "warmup_ratio" in fields else "--warmup_steps", str(fraction)]
+
+
+@dataclasses.dataclass
+class RDropOptions:
+    """A trainer's R-Drop options (its ``rdrop_*`` keyword arguments), checked as they are
+    made: ``alpha`` a finite number >= 0 (0: both passes, no consistency term); ``impl``
+    one of :data:`~rdrop_fairseq.options.IMPLS` that this run can use; ``chunk_mb`` the
+    fused path's chunk budget (MiB, 0 automatic); ``model_kind`` ``auto`` or one of
+    :data:`~rdrop_fairseq.hf.model.KINDS`. ``use_cpu``: the Trainer's, for the impl check."""
+
+    alpha: float = 1.0
+    impl: str = "auto"
+    fused_linear: bool = False
+    chunk_mb: float = 0.0
+    model_kind: str = "auto"
+    use_cpu: dataclasses.InitVar[bool] = False
+
+    def __post_init__(self, use_cpu):
+        self.alpha = non_negative(self.alpha, "rdrop_alpha", "; use 0 to train on both passes "
+                                  "without the consistency term")
+        self.impl = check_impl(self.impl, "rdrop_impl", "use_cpu" if use_cpu else None)
+        self.fused_linear = bool(self.fused_linear)
+        self.chunk_mb = non_negative(self.chunk_mb, "rdrop_chunk_mb", " (MiB; 0 = automatic)")
+        if self.model_kind not in ("auto", *KINDS):
+            raise ValueError(f"rdrop_model_kind must be 'auto' or one of {', '.join(KINDS)}, "
+                             f"got {self.model_kind!r}")
+
+
+class LogSums:
+    """R-Drop's figures since the last log, summed on the device (no synchronisation per
+    step): the cross-entropy and KL of both passes, the labelled items of one pass, the
+    correct ones of both passes, the tokens and the entropy."""
+
+    def __init__(self):
+        self.sums = None
+
+    def add(self, result, inputs):
+        """One step's :data:`~rdrop_fairseq.hf.loss.RDropHFLoss` and its batch."""
+        device = result.nll.device
+        mask = inputs.get("attention_mask")
+        tokens = (mask.sum() if torch.is_tensor(mask)
+                  else torch.full((), inputs["labels"].numel(), device=device))
+        zero = result.nll.new_zeros(())
+        correct = zero if result.correct is None else result.correct
+        entropy = zero if result.entropy is None else result.entropy
+        step = torch.stack([value.to(device).float() for value in
+                            (result.nll.detach(), result.kl.detach(), result.items, correct,
+                             tokens, entropy)])
+        self.sums = step if self.sums is None else self.sums + step
+
+    def take(self, accelerator=None):
+        """The sums as floats ``(nll, kl, items, correct, tokens, entropy)``, summed over the
+        processes by ``accelerator`` where given; None if nothing was added. Starts anew."""
+        if self.sums is None:
+            return None
+        sums, self.sums = self.sums, None
+        if accelerator is not None:
+            sums = accelerator.reduce(sums, reduction="sum")
+        return sums.tolist()
+
+
+class RDropMixin:
+    """R-Drop's training loss for a ``transformers.Trainer`` subclass: put it first,
+    ``class RDropSFTTrainer(RDropMixin, SFTTrainer): pass``.
+
+    Keyword arguments besides the Trainer's: ``rdrop_alpha`` (default 1.0; a finite number
+    >= 0; 0 trains on both passes without the consistency term), ``rdrop_impl``
+    (``auto``: the Triton kernel on CUDA when triton imports, else torch; ``torch``;
+    ``triton``), ``rdrop_fused_linear`` (language-model heads: the loss from the hidden
+    states and the output embedding, a chunk at a time, so that the 2N x V logits are never
+    made), ``rdrop_chunk_mb`` (the fused path's chunk budget, MiB; 0 automatic) and
+    ``rdrop_model_kind`` (``auto``: read from the model,
+    :func:`~rdrop_fairseq.hf.kind.model_kind`; or ``causal``, ``seq2seq``, ``encoder``);
+    they are kept, checked, in ``trainer.rdrop`` (:class:`RDropOptions`), and
+    ``trainer.rdrop_alpha`` may be changed between steps. Logged at ``logging_steps``
+    besides ``loss``: ``rdrop_ce`` (the cross-entropy of one pass per labelled item,
+    comparable with ``eval_loss``) and ``rdrop_kl``. Anything it cannot train is refused
+    when the trainer is made.
+    """
+
+    def __init__(self, *args, rdrop_alpha=1.0, rdrop_impl="auto", rdrop_fused_linear=False,
+                 rdrop_chunk_mb=0.0, rdrop_model_kind="auto", **kwargs):
+        check_transformers_version()
+        model, training_args = _model_and_args(super().__init__, args, kwargs)
+        self.rdrop = RDropOptions(rdrop_alpha, rdrop_impl, rdrop_fused_linear, rdrop_chunk_mb,
+                                  rdrop_model_kind, getattr(training_args, "use_cpu", False))
+        self._rdrop_smoothing = float(getattr(training_args, "label_smoothing_factor", 0.0) or 0)
+        _check_training_arguments(type(self).__name__, training_args)
+        if model is not None:
+            self._rdrop_kind = self._rdrop_check_model(model)
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError(f"{type(self).__name__} computes the training loss itself: leave "
+                             "out compute_loss_func (or use the plain Trainer)")
+        super().__init__(*args, **kwargs)
+        # again on the arguments the Trainer made where none were given
+        _check_training_arguments(type(self).__name__, self.args)
+        declare_loss_scaling(self, True)
+        if self.label_names not in (["labels"], []):
+            raise ValueError(f"{type(self).__name__} reads the labels from inputs['labels'], and "
+                             f"this model or TrainingArguments.label_names names {self.label_names}")
+        self._first_batch_checked = False
+        self._rdrop_log = LogSums()
+        # TRL's trainers log their training metrics from _metrics: token accuracy, the tokens
+        # seen and, through the logits, the entropy are given to them
+        self._rdrop_trl_metrics = isinstance(getattr(self, "_metrics", None), Mapping)
+
+    @property
+    def rdrop_alpha(self):
+        """The consistency term's weight; may be changed between steps (a schedule)."""
+        return self.rdrop.alpha
+
+    @rdrop_alpha.setter
+    def rdrop_alpha(self, value):
+        self.rdrop.alpha = non_negative(value, "rdrop_alpha")
+
+    def train(self, *args, **kwargs):
+        self._rdrop_log = LogSums()  # nothing from an earlier train() in the first log
+        return super().train(*args, **kwargs)
+
+    def call_model_init(self, trial=None):
+        """A model built by ``model_init`` gets the checks a ``model`` gets."""
+        model = super().call_model_init(trial)
+        self._rdrop_kind = self._rdrop_check_model(model)
+        return model
+
+    def _rdrop_check_model(self, model):
+        try:
+            kind = model_kind(model, self.rdrop.model_kind, fused_linear=self.rdrop.fused_linear)
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__}: {error}") from None
+        config = getattr(unwrap(model), "config", None)
+        values = config.to_dict() if hasattr(config, "to_dict") else {}
+        if self.rdrop.alpha and not has_dropout(model, config=values):
+            warnings.warn(
+                f"{type(self).__name__}: rdrop_alpha {self.rdrop.alpha} but every dropout of "
+                f"{type(unwrap(model)).__name__} is 0: the two passes are identical and the "
+                "KL is always 0. Set a dropout above 0 (hidden, attention, or LoRA's "
+                "lora_dropout)", UserWarning, stacklevel=3)
+        return kind
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """R-Drop's loss in training; the model's own loss (one pass) in evaluation."""
+        if not model.training:
+            # the model's own mean: no item count passed to it nor multiplied by processes
+            # (what the Trainer does for a model that takes no loss arguments)
+            self.model_accepts_loss_kwargs = False
+            try:
+                return super().compute_loss(model, inputs, return_outputs=return_outputs)
+            finally:
+                declare_loss_scaling(self, True)
+        if not torch.is_tensor(inputs.get("labels")) and not self.label_names:
+            raise RDropBatchError(
+                f"{type(self).__name__}: a training batch without 'labels' (its keys: "
+                f"{', '.join(sorted(inputs))}): this model's forward takes no 'labels', so "
+                "the Trainer drops them from the batches: use a model with a head "
+                "(...ForSequenceClassification, ...ForTokenClassification, ...ForMaskedLM, "
+                "...ForCausalLM, ...ForConditionalGeneration)")
+        world_size, accumulation = 1, 1
+        if num_items_in_batch is not None:  # the count is of the whole accumulated batch
+            accumulation = getattr(self, "current_gradient_accumulation_steps",
+                                   self.args.gradient_accumulation_steps)
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                # the count is over all processes (get_batch_samples); DDP averages gradients
+                world_size = self.args.world_size
+        result = rdrop_hf_loss(
+            model, inputs, kind=self._rdrop_kind, alpha=self.rdrop.alpha,
+            label_smoothing=self._rdrop_smoothing, num_items_in_batch=num_items_in_batch,
+            world_size=world_size, impl=self.rdrop.impl, fused_linear=self.rdrop.fused_linear,
+            chunk_mb=self.rdrop.chunk_mb, grad_in_scores=False if return_outputs else "auto",
+            check_labels=not self._first_batch_checked, accuracy=self._rdrop_trl_metrics,
+            accumulation_steps=accumulation)
+        self._first_batch_checked = True
+        self._rdrop_log.add(result, inputs)
+        return (result.loss, result.outputs) if return_outputs else result.loss
+
+    def log(self, logs, *args, **kwargs):
+        """The Trainer's log, with ``rdrop_ce`` and ``rdrop_kl`` per labelled item of one
+        pass since the last log, summed over the processes, where the log has a training
+        ``loss``."""
+        sums = None
+        if "loss" in logs:
+            sums = self._rdrop_log.take(self.accelerator if self.args.world_size > 1 else None)
+        if sums is not None:
+            nll, kl, items, correct, tokens, entropy = sums
+            logs = {**logs, "rdrop_ce": round(nll / 2 / max(items, 1), 4),
+                    "rdrop_kl": round(kl / max(items, 1), 4)}
+            if self._rdrop_trl_metrics:  # what TRL's own loss would have logged
+                self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(tokens)
+                self._metrics["train"]["mean_token_accuracy"].append(correct / 2 / max(items, 1))
+                self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+                if not self.rdrop.fused_linear:  # (the fused path makes no logits)
+                    self._metrics["train"]["entropy"].append(entropy / 2 / max(items, 1))
+        return super().log(logs, *args, **kwargs)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device=None):
+        """The next ``num_batches`` batches and their labelled items (:func:`labelled_items`),
+        counted here for every model: the Trainer counts only for models whose forward
+        takes loss arguments, and R-Drop's loss is normalised by this trainer. (``device``:
+        transformers 4.50 and later pass it.)"""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        causal = getattr(self, "_rdrop_kind", None) == "causal"
+        counts = [labelled_items(b["labels"], causal) for b in batches
+                  if torch.is_tensor(b.get("labels"))]
+        if not counts:
+            return batches, None
+        items = torch.stack([c.to(device or self.args.device) for c in counts]).sum()
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            items = self.accelerator.gather(items).sum()
+        return batches, items
+
+
+class RDropTrainer(RDropMixin, Trainer):
+    """``transformers.Trainer`` with R-Drop's training loss (:class:`RDropMixin`)."""
+
+
+class RDropSeq2SeqTrainer(RDropMixin, Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` with R-Drop's training loss: evaluation with
+    ``predict_with_generate`` generates from one pass, as the Seq2SeqTrainer does."""
+
+
+# ------------------------------------------------------------------- where it is trained
+
+def _model_and_args(init, args, kwargs):
+    """The ``model`` and ``args`` (TrainingArguments) given to the Trainer's ``__init__``
+    ``init``, by name or by position (None where not given)."""
+    try:
+        given = inspect.signature(init).bind_partial(*args, **kwargs).arguments
+    except TypeError:  # the Trainer itself says what is wrong with its arguments
+        given = kwargs
+    return given.get("model"), given.get("args")
+
+
+def _check_training_arguments(name, args):
+    """The TrainingArguments (or TRL config) checks: where it trains, TRL's loss type."""
+    check_parallelism(name, args)
+    check_trl_loss(name, args)
+
+
+def check_parallelism(name, args):
+    """Refuse the parallel settings in which [x; x] or the item count would be wrong."""
+    if args is None:
+        return
+    if getattr(args, "n_gpu", 1) > 1:
+        # the Trainer wraps the model in nn.DataParallel, which would send x to one GPU and
+        # its copy to another with the same dropout masks: the KL would always be 0
+        raise ValueError(
+            f"{name}: {args.n_gpu} GPUs are visible to one process, so the Trainer would use "
+            "nn.DataParallel, which splits [x; x] into its two copies with the same dropout "
+            "masks (the KL would be 0). Launch one process per GPU: torchrun "
+            "--nproc_per_node N train.py (or accelerate launch), or set CUDA_VISIBLE_DEVICES")
+    sizes = {"tp_size": getattr(args, "tp_size", None) or 1}
+    config = getattr(args, "parallelism_config", None)
+    for field in ("tp_size", "cp_size", "sp_size"):
+        sizes[field] = max(sizes.get(field, 1), getattr(config, field, None) or 1)
+    used = [f"{field} {size}" for field, size in sizes.items() if size > 1]
+    if used:
+        raise ValueError(
+            f"{name}: tensor, context and sequence parallelism ({', '.join(used)}) are not "
+            "supported: their processes share or split one batch, which R-Drop's item count "
+            "and its [x; x] do not follow. Use data parallelism (DDP, FSDP or DeepSpeed)")
+
+
+def check_trl_loss(name, args):
+    """TRL's SFTConfig.loss_type: only its plain negative log-likelihood is R-Drop's CE."""
+    loss_type = getattr(args, "loss_type", None)
+    from_trl = any(cls.__module__.startswith("trl") for cls in type(args).__mro__)
+    if from_trl and loss_type not in (None, "nll"):
+        raise ValueError(f"{name}: TRL's loss_type {loss_type!r} is not R-Drop's "
+                         "cross-entropy, which replaces TRL's loss in training: set "
+                         "loss_type='nll'")
