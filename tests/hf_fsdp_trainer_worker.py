@@ -12,7 +12,7 @@ import torch
 from transformers import TrainingArguments
 
 from rdrop_fairseq import hf
-from tests.hf_ddp_worker import causal, examples
+from tests.tiny_hf_models import causal, examples
 
 if __name__ == "__main__":
     out, fused, fsdp = sys.argv[1], sys.argv[2] == "fused", sys.argv[3] == "fsdp"

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rdrop_fairseq import hf
-from tests.hf_ddp_worker import causal, examples
+from tests.tiny_hf_models import causal, examples
 
 
 def gradients(fused, checkpointing):

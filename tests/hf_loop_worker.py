@@ -1,6 +1,6 @@
 """The processes of tests/test_hf_loop.py: docs/huggingface.md's loops of one's own, run
 as written on a tiny GPT-2 (dropout off, so that processes and passes agree), an SGD
-optimizer (learning rate 0.5) and a loader of the 4 examples of tests/hf_ddp_worker.py
+optimizer (learning rate 0.5) and a loader of the 4 examples of tests/tiny_hf_models.py
 (the last two hold fewer labelled tokens), one batch of 4 // processes per process. The
 model's parameters after the step are written by rank 0. Arguments: output path, then
 "plain" (the first loop, one process) or "accelerate" (the second, under torchrun)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tests.hf_ddp_worker import causal, examples
+from tests.tiny_hf_models import causal, examples
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,35 +18,37 @@ import gc
 import os
 import sys
 import warnings
+from collections import namedtuple
 
 import torch
 import transformers
 from transformers import TrainerCallback, TrainingArguments
 
 from rdrop_fairseq import hf
-from tests.hf_ddp_worker import Unscaled, causal, examples, seq2seq
+from tests.tiny_hf_models import Unscaled, causal, examples, seq2seq
 
-# case: (sharding, model, fused path, gradient checkpointing, accumulation steps); each
-# sharding with both paths under gradient checkpointing, and without it through the
-# accumulation, the Marian model and the mutations
-CASES = {"zero3-logits-checkpointing": ("zero3", causal, False, True, 1),
-         "zero3-fused-checkpointing": ("zero3", causal, True, True, 1),
-         "zero3-fused-accumulated": ("zero3", causal, True, False, 2),
-         "zero3-seq2seq-fused": ("zero3", seq2seq, True, False, 1),
+# a case: the sharding, the model, the fused path or not, gradient checkpointing or not,
+# gradient accumulation steps; each sharding with both paths under gradient checkpointing,
+# and without it through the accumulation, the Marian model and the mutations
+Case = namedtuple("Case", "sharding make fused checkpointing accumulation")
+CASES = {"zero3-logits-checkpointing": Case("zero3", causal, False, True, 1),
+         "zero3-fused-checkpointing": Case("zero3", causal, True, True, 1),
+         "zero3-fused-accumulated": Case("zero3", causal, True, False, 2),
+         "zero3-seq2seq-fused": Case("zero3", seq2seq, True, False, 1),
          # DeepSpeed's bf16 (weights and products in bf16, float32 master weights)
-         "zero3-fused-checkpointing-bf16": ("zero3", causal, True, True, 1),
-         "zero2-fused": ("zero2", causal, True, False, 1),
-         "fsdp2-logits-checkpointing": ("fsdp2", causal, False, True, 1),
-         "fsdp2-fused-checkpointing": ("fsdp2", causal, True, True, 1),
-         "fsdp2-fused-accumulated": ("fsdp2", causal, True, False, 2),
-         "zero3-unscaled": ("zero3", causal, False, False, 1),  # the mutations that must fail
-         "fsdp2-unscaled": ("fsdp2", causal, False, False, 1)}
+         "zero3-fused-checkpointing-bf16": Case("zero3", causal, True, True, 1),
+         "zero2-fused": Case("zero2", causal, True, False, 1),
+         "fsdp2-logits-checkpointing": Case("fsdp2", causal, False, True, 1),
+         "fsdp2-fused-checkpointing": Case("fsdp2", causal, True, True, 1),
+         "fsdp2-fused-accumulated": Case("fsdp2", causal, True, False, 2),
+         "zero3-unscaled": Case("zero3", causal, False, False, 1),  # the mutations that must fail
+         "fsdp2-unscaled": Case("fsdp2", causal, False, False, 1)}
 SHARDED = ("zero3", "fsdp2")  # the head's weight a shard outside the forward
 # the Trainer's FSDP2 (fsdp_config "version": 2) as tested here: transformers 5; 4.x's
 # Trainer makes FSDP1, which needs a GPU (tests/test_hf_ddp.py's CUDA test)
 FSDP2_IN_THE_TRAINER = int(transformers.__version__.split(".")[0]) >= 5
-RUNNABLE = [case for case, (how, *_) in CASES.items()
-            if how != "fsdp2" or FSDP2_IN_THE_TRAINER]
+RUNNABLE = [name for name, case in CASES.items()
+            if case.sharding != "fsdp2" or FSDP2_IN_THE_TRAINER]
 
 
 class HeadShard(TrainerCallback):
@@ -88,9 +90,9 @@ def _step(trainer_class, make, args, fused):
 
 def reference(folder, case):
     """One process, nothing sharded: {"update", "loss", "eval_after"}."""
-    _, make, fused, checkpointing, _ = CASES[case]
-    args = _arguments(os.path.join(folder, case), 1, 1, checkpointing, use_cpu=True)
-    before, trainer, loss, after = _step(hf.RDropTrainer, make, args, fused)
+    c = CASES[case]
+    args = _arguments(os.path.join(folder, case), 1, 1, c.checkpointing, use_cpu=True)
+    before, trainer, loss, after = _step(hf.RDropTrainer, c.make, args, c.fused)
     update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
     return {"update": update, "loss": loss, "eval_after": after}
 
@@ -132,7 +134,7 @@ def _gathered(trainer, before):
 
 
 def run(folder, case):
-    how, make, fused, checkpointing, accumulation = CASES[case]
+    how, make, fused, checkpointing, accumulation = CASES[case]  # a Case
     sharding = _sharding(how, make)
     if case.endswith("bf16"):
         # (use_cpu: the Trainer takes bf16 without a GPU only on the CPU; the process state

@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import CASES, child_env, failure, run, torchrun  # noqa: E402
+from tests.hf_ddp_worker import CASES, run  # noqa: E402
+from tests.torchrun_launch import child_env, failure, torchrun  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,7 +113,7 @@ def test_with_each_process_counting_its_own_items_ddp_averages_their_means(two_p
     tokens (4 and 10 here), as the Trainer does, and DDP averages: the gradient is the
     mean of the two halves' gradients, each normalised by its own count, computed here."""
     from rdrop_fairseq import hf
-    from tests.hf_ddp_worker import causal, examples
+    from tests.tiny_hf_models import causal, examples
 
     torch.manual_seed(0)
     model = causal()

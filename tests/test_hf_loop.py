@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import causal, child_env, torchrun  # noqa: E402
+from tests.tiny_hf_models import causal  # noqa: E402
+from tests.torchrun_launch import child_env, torchrun  # noqa: E402
 from tests.hf_loop_worker import loops, step  # noqa: E402
 
 

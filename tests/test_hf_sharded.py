@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.hf_ddp_worker import child_env, torchrun  # noqa: E402
+from tests.torchrun_launch import child_env, torchrun  # noqa: E402
 from tests.hf_sharded_worker import CASES, RUNNABLE, SHARDED, reference  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,7 +58,8 @@ def one_process(tmp_path_factory):
     folder, done = tmp_path_factory.mktemp("one-process"), {}
 
     def get(case):
-        key = CASES[case][1:4]
+        c = CASES[case]
+        key = (c.make, c.fused, c.checkpointing)
         if key not in done:
             done[key] = reference(str(folder), case)
         return done[key]
@@ -71,7 +72,7 @@ def test_the_sharded_step_is_the_step_of_one_process_on_the_whole_batch(two_proc
                                                                          one_process, case):
     runnable(case)
     got, want = torch.load(two_processes / f"{case}.pt"), one_process(case)
-    assert got["sharded"] is (CASES[case][0] in SHARDED)  # the head's weight, before the step
+    assert got["sharded"] is (CASES[case].sharding in SHARDED)  # the head's weight, before the step
     assert got["update"].keys() == want["update"].keys() and len(want["update"]) > 3
     assert max(float(u.abs().max()) for u in want["update"].values()) > 0.1  # a real step
     for name, update in want["update"].items():
