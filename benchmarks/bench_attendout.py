@@ -248,7 +248,7 @@ def measure_pruning(args, cached, impl):
     with torch.no_grad():
         for i, batch in enumerate(batches):
             tokens = batch["net_input"]["src_tokens"]
-            probs = torch.sigmoid(task._drop_logits(model, tokens, tokens.eq(pad)))
+            probs = torch.sigmoid(task.pruning.drop_logits(model, tokens, tokens.eq(pad)))
             task._cache.append((batch, pack_mask(sample_drop(probs, i)), None))
             del probs
     generator.build_optimizer(task.cfg.attendout_generator_lr)
@@ -265,7 +265,7 @@ def measure_pruning(args, cached, impl):
         def log_prob(t):
             batch, packed, _ = cache[t]
             tokens = batch["net_input"]["src_tokens"]
-            return action_log_prob(task._drop_logits(model, tokens, tokens.eq(pad)),
+            return action_log_prob(task.pruning.drop_logits(model, tokens, tokens.eq(pad)),
                                    unpack_mask(*packed), tokens.eq(pad))
 
         def run():

@@ -4,6 +4,7 @@ import os
 import shlex
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from tests.warm_process import fairseq_bin, machine_env, run_command
@@ -72,3 +73,21 @@ def dry_run(name, *args, ok=True, **env):
 def overrides_of(cmd):
     """``{key: value}`` of a fairseq-hydra-train command's ``key=value`` arguments."""
     return dict(arg.split("=", 1) for arg in cmd if "=" in arg and not arg.startswith("-"))
+
+
+def composed_config(name, overrides=()):
+    """The config fairseq-hydra-train composes from configs/NAME.yaml, this repository's
+    plugin loaded and no data; ``overrides`` come after those (e.g. the pre-trained
+    checkpoint a fine-tuning config leaves required)."""
+    from fairseq.dataclass.initialize import add_defaults, hydra_init
+    from hydra import compose, initialize_config_dir
+
+    hydra_init(name)
+    with warnings.catch_warnings():  # hydra 1.1 behaviour, as fairseq-hydra-train's
+        warnings.simplefilter("ignore")
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.1"):
+            cfg = compose(config_name=name, overrides=[
+                f"common.user_dir={REPO / 'rdrop_fairseq'}", "task.data=/nonexistent",
+                *overrides])
+    add_defaults(cfg)
+    return cfg

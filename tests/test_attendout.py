@@ -636,7 +636,7 @@ def test_rewards_are_attacker_over_defender(data, regression_data, kind):
             # centre each head's outputs on this batch: both predict either class
             net.classification_heads[HEAD].out_proj.bias -= net(
                 tokens, classification_head_name=HEAD, **kwargs)[0].mean(0)
-        rewards = task.rewards(model, sample, drop)
+        rewards = task.pruning.rewards(model, sample, drop)
         a = model(tokens, classification_head_name=HEAD, attendout_drop=drop)[0]
         d = model.defender(tokens, classification_head_name=HEAD)[0]
     if kind == "regression":
@@ -724,10 +724,9 @@ def test_skipped_updates_do_not_count_in_the_pruning_statistic(data):
 
     def gate_sums(samples):  # (sum over the examples of each layer's gate probability, count)
         with torch.no_grad():
-            probs = [g.gate_logits(task._drop_logits(model, s["net_input"]["src_tokens"],
-                                                     s["net_input"]["src_tokens"].eq(pad)),
-                                   s["net_input"]["src_tokens"].eq(pad)).sigmoid()
-                     for s in samples]
+            probs = [g.gate_logits(task.pruning.drop_logits(
+                model, s["net_input"]["src_tokens"], s["net_input"]["src_tokens"].eq(pad)),
+                s["net_input"]["src_tokens"].eq(pad)).sigmoid() for s in samples]
         return sum(p.sum(0) for p in probs), sum(p.size(0) for p in probs)
 
     original = task.pruning_step

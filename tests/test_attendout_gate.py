@@ -200,7 +200,7 @@ def test_pruned_layers_run_as_eq3_in_training_and_leave_the_policy(data):
     g = model.generator
     tokens = sample["net_input"]["src_tokens"]
     pad = tokens.eq(task.source_dictionary.pad())
-    logits = task._drop_logits(model, tokens, pad)
+    logits = task.pruning.drop_logits(model, tokens, pad)
     per_layer = []
     for pruned in (True, False):
         g.pruned[1] = pruned

@@ -260,12 +260,12 @@ def test_step_timing_rewards_are_the_steps_own_losses(data, criterion):
     sample = make_sample(task, batch=6)
     tokens = sample["net_input"]["src_tokens"]
     with torch.no_grad():
-        logits = task._drop_logits(model, tokens, tokens.eq(task.source_dictionary.pad()))
+        logits = task.pruning.drop_logits(model, tokens, tokens.eq(task.source_dictionary.pad()))
     seed = (task.cfg.seed * 1_000_003 + 1) % (2 ** 62)  # the seed train_step draws
     drop = model.generator.sample(logits, tokens.eq(task.source_dictionary.pad()), seed)
     model.eval()
     with torch.no_grad():
-        expected = task.rewards(model, sample, drop)
+        expected = task.pruning.rewards(model, sample, drop)
     task.train_step(sample, model, crit, optimizer, 0)
     (_, _, rewards), = task._pending
     assert expected.abs().max() > 0

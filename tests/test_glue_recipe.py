@@ -12,16 +12,17 @@ import random
 import re
 import shutil
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
 from rdrop_fairseq.recipes import evaluate_glue, prepare_glue
-from tests.recipe_helpers import dry_run, overrides_of, run, script
+from tests.recipe_helpers import composed_config, dry_run, overrides_of, run, script
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "roberta_glue_rdrop"
+# the pre-trained checkpoint, which the configs leave required (???)
+PRETRAINED = "checkpoint.restore_file=/nonexistent.pt"
 
 BIN = Path(sys.executable).parent
 # roberta_base shrunk; the fine-tuning config's roberta_large values are overridden alike
@@ -423,22 +424,6 @@ def test_task_table_is_the_papers(tmp_path):
         "320", "1986", "7432"]
 
 
-def composed_config(name, overrides=()):
-    """The config fairseq-hydra-train composes from configs/NAME.yaml."""
-    from fairseq.dataclass.initialize import add_defaults, hydra_init
-    from hydra import compose, initialize_config_dir
-
-    hydra_init(name)
-    with warnings.catch_warnings():  # hydra 1.1 behaviour, as fairseq-hydra-train's
-        warnings.simplefilter("ignore")
-        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.1"):
-            cfg = compose(config_name=name, overrides=[
-                f"common.user_dir={REPO / 'rdrop_fairseq'}", "task.data=/nonexistent",
-                "checkpoint.restore_file=/nonexistent.pt", *overrides])
-    add_defaults(cfg)
-    return cfg
-
-
 def command(tmp_path, task, *overrides, **env):
     """The fairseq-hydra-train command scripts/glue.sh runs (DRY_RUN: no training)."""
     (tmp_path / f"{task}-bin" / "input0").mkdir(parents=True, exist_ok=True)
@@ -452,7 +437,7 @@ def command(tmp_path, task, *overrides, **env):
 
 def test_config_holds_the_papers_common_settings(tmp_path):
     cmd = command(tmp_path, "RTE")
-    cfg = composed_config(CONFIG, [o for o in cmd if o.startswith((
+    cfg = composed_config(CONFIG, [PRETRAINED] + [o for o in cmd if o.startswith((
         "task.num_classes", "criterion.", "dataset.batch_size", "optimization.max_update",
         "lr_scheduler.warmup_updates"))])
     assert (cfg.task._name, cfg.task.init_token, cfg.task.separator_token,
@@ -472,7 +457,7 @@ def test_config_holds_the_papers_common_settings(tmp_path):
     assert cfg.checkpoint.restore_file == "/nonexistent.pt"
     # every task's overrides compose (hydra syntax), e.g. MNLI's two validation sets
     for task in PAPER_TABLE:
-        cfg = composed_config(CONFIG, [
+        cfg = composed_config(CONFIG, [PRETRAINED] + [
             o for o in command(tmp_path, task, UPDATE_FREQ=2)
             if o.split("=")[0].split(".")[0] in ("task", "criterion", "dataset", "optimization",
                                                   "lr_scheduler", "checkpoint")
@@ -480,8 +465,8 @@ def test_config_holds_the_papers_common_settings(tmp_path):
         assert cfg.optimization.update_freq == [2]
         assert cfg.criterion.regression_target == (task == "STS-B")
     assert cfg.checkpoint.best_checkpoint_metric == "pearson"  # STS-B, the last
-    cfg = composed_config(CONFIG, [o for o in command(tmp_path, "MNLI")
-                                              if o.startswith("dataset.valid_subset")])
+    cfg = composed_config(CONFIG, [PRETRAINED] + [o for o in command(tmp_path, "MNLI")
+                                                  if o.startswith("dataset.valid_subset")])
     assert cfg.dataset.valid_subset == "valid,valid1"
 
 
@@ -493,7 +478,7 @@ def test_config_architecture_is_fairseqs_roberta_large():
     from fairseq.models import ARCH_CONFIG_REGISTRY
     from omegaconf import OmegaConf
 
-    cfg = composed_config(CONFIG)
+    cfg = composed_config(CONFIG, [PRETRAINED])
     model = OmegaConf.to_container(cfg.model, resolve=True)
     reference = argparse.Namespace()
     ARCH_CONFIG_REGISTRY["roberta_large"](reference)
@@ -607,7 +592,7 @@ def test_attendout_modes_use_fairseqs_roberta_base_settings():
     o = overrides_of(dry_run("glue", "train", TASK="CoLA", GPUS=1,
                              MODE="attendout_rdrop")[0][-1])
     assert o["criterion.rdrop_alpha"] == "0.5" and o["optimization.lr"] == "[1e-05]"
-    config = composed_config("roberta_glue_attendout")
+    config = composed_config("roberta_glue_attendout", [PRETRAINED])
     assert config["task"]["_name"] == "sentence_prediction_attendout"
     assert config["task"]["max_positions"] == 256 and config["task"]["shorten_method"] == "truncate"
     assert config["task"]["attendout_interval"] == 25

@@ -8,14 +8,13 @@ import math
 import random
 import re
 import sys
-import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from rdrop_fairseq.recipes import evaluate_lm, fetch, prepare_wikitext
-from tests.recipe_helpers import OFFLINE, dry_run, run, script
+from tests.recipe_helpers import OFFLINE, composed_config, dry_run, run, script
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"gpt": "transformer_lm_gpt_rdrop", "wiki103": "transformer_lm_wiki103_rdrop"}
@@ -175,21 +174,6 @@ ARCH = {"gpt": "transformer_lm_gpt", "wiki103": "transformer_lm_wiki103"}
 CONFIG_DEVIATIONS = {"gpt": {"share_decoder_input_output_embed": True},  # authors' script
                      "wiki103": {}}
 UNUSED = {"base_shuffle", "tokens_per_sample"}  # no BASE layers; tokens: the task's
-
-
-def composed_config(name):
-    """The config fairseq-hydra-train composes from configs/NAME.yaml."""
-    from hydra import compose, initialize_config_dir
-    from fairseq.dataclass.initialize import add_defaults, hydra_init
-
-    hydra_init(name)
-    with warnings.catch_warnings():  # hydra 1.1 behaviour, as fairseq-hydra-train's
-        warnings.simplefilter("ignore")
-        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.1"):
-            cfg = compose(config_name=name, overrides=[
-                f"common.user_dir={REPO / 'rdrop_fairseq'}", "task.data=/nonexistent"])
-    add_defaults(cfg)
-    return cfg
 
 
 @pytest.mark.parametrize("recipe", ["gpt", "wiki103"])

@@ -10,16 +10,15 @@ import math
 import random
 import re
 import sys
-import warnings
-from pathlib import Path
 
 import pytest
 
 from rdrop_fairseq.recipes import evaluate_summarization, prepare_cnndm
-from tests.recipe_helpers import dry_run, run, script
+from tests.recipe_helpers import composed_config, dry_run, run, script
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = "bart_large_cnn_rdrop"
+# the pre-trained checkpoint, which the config leaves required (???)
+PRETRAINED = "checkpoint.restore_file=/nonexistent/model.pt"
 
 TINY = {"encoder_layers": 1, "decoder_layers": 1, "encoder_embed_dim": 16,
         "decoder_embed_dim": 16, "encoder_ffn_embed_dim": 32, "decoder_ffn_embed_dim": 32,
@@ -402,22 +401,6 @@ def test_fairseq_fixes_are_in_place_after_import():
 
 # ----------------------------------------------------------------- configs and options
 
-def composed_config(name):
-    """The config fairseq-hydra-train composes from configs/NAME.yaml."""
-    from fairseq.dataclass.initialize import add_defaults, hydra_init
-    from hydra import compose, initialize_config_dir
-
-    hydra_init(name)
-    with warnings.catch_warnings():  # hydra 1.1 behaviour, as fairseq-hydra-train's
-        warnings.simplefilter("ignore")
-        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.1"):
-            cfg = compose(config_name=name, overrides=[
-                f"common.user_dir={REPO / 'rdrop_fairseq'}", "task.data=/nonexistent",
-                "checkpoint.restore_file=/nonexistent/model.pt"])
-    add_defaults(cfg)
-    return cfg
-
-
 def test_config_is_bart_large():
     """What fairseq builds from the config's model is `fairseq-train --arch bart_large`'s
     model (the config spells the architecture out)."""
@@ -427,7 +410,7 @@ def test_config_is_bart_large():
     from fairseq.models import ARCH_CONFIG_REGISTRY
     from omegaconf import OmegaConf
 
-    cfg = composed_config(CONFIG)
+    cfg = composed_config(CONFIG, [PRETRAINED])
     model = argparse.Namespace(**OmegaConf.to_container(cfg.model, resolve=True))
     assert model._name == "bart_large"
     ARCH_CONFIG_REGISTRY[model._name](model)
@@ -441,7 +424,7 @@ def test_config_is_bart_large():
 
 
 def test_config_holds_the_papers_settings():
-    cfg = composed_config(CONFIG)
+    cfg = composed_config(CONFIG, [PRETRAINED])
     assert (cfg.criterion._name, cfg.criterion.rdrop_alpha, cfg.criterion.label_smoothing) == (
         "label_smoothed_cross_entropy_rdrop", 0.7, 0.1)
     assert (cfg.model.dropout, cfg.model.attention_dropout) == (0.1, 0.1)

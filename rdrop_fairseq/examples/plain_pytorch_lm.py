@@ -164,7 +164,7 @@ def step_peak_bytes(model, tokens, target, *, alpha, path, chunk_mb=0.0):
     return memory.peak
 
 
-def main(argv=None):
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dim", type=int, default=64)
@@ -183,7 +183,37 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--json", action="store_true", help="end with the results as JSON")
-    a = parser.parse_args(argv)
+    return parser
+
+
+def print_curves(curves):
+    """Each step's loss with each path, and the KL, per target token in base 2."""
+    print(f"\n{'step':>4}  {'loss (rdrop_loss)':>18}  {'loss (fused linear)':>19}  {'KL':>8}")
+    for i, ((loss, kl), (fused, _)) in enumerate(zip(*curves.values())):
+        print(f"{i + 1:>4}  {loss / math.log(2):>18.4f}  {fused / math.log(2):>19.4f}  "
+              f"{kl / math.log(2):>8.4f}")
+    print("(per target token, base 2, as fairseq logs them: loss, the NLL of one pass (the "
+          "mean of the two); KL, rdrop_kl)")
+
+
+def print_differences(differences):
+    """:func:`compare_paths`'s differences from the ``logits`` path."""
+    print("\nsame dropout masks, largest difference from rdrop_loss on the logits:")
+    for path, diff in differences.items():
+        print(f"  {path:<16} loss {diff['loss']:.2e}, parameter gradients {diff['grad']:.2e}")
+
+
+def print_peaks(peak_mib, device):
+    """One training step's peak memory with each path, in MiB."""
+    where = "CUDA max_memory_allocated" if device.type == "cuda" else \
+        "storages allocated by torch ops, CPU"
+    print(f"\npeak memory of one training step beyond the model and its gradients ({where}):")
+    for path, mib in peak_mib.items():
+        print(f"  {mib:8.1f} MiB  {PATHS[path]}")
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -204,31 +234,20 @@ def main(argv=None):
           f"{n_rows} x {a.vocab} float32 = {logits_mib:.1f} MiB")
 
     results = {"logits_mib": logits_mib, "curves": {}}
-    for path in ("logits", "fused-linear"):
+    for path in ("logits", "fused-linear"):  # the same initial model, the same batches
         results["curves"][path] = train(fresh_model(), data(), a.steps, alpha=a.alpha,
                                         path=path, lr=a.lr, chunk_mb=a.chunk_mb)
-    print(f"\n{'step':>4}  {'loss (rdrop_loss)':>18}  {'loss (fused linear)':>19}  {'KL':>8}")
-    for i, ((loss, kl), (fused, _)) in enumerate(zip(*results["curves"].values())):
-        print(f"{i + 1:>4}  {loss / math.log(2):>18.4f}  {fused / math.log(2):>19.4f}  "
-              f"{kl / math.log(2):>8.4f}")
-    print("(per target token, base 2, as fairseq logs them: loss, the NLL of one pass (the "
-          "mean of the two); KL, rdrop_kl)")
+    print_curves(results["curves"])
 
     model = fresh_model()
     results["differences"] = compare_paths(model, tokens, target, alpha=a.alpha,
                                            chunk_mb=a.chunk_mb)
-    print("\nsame dropout masks, largest difference from rdrop_loss on the logits:")
-    for path, diff in results["differences"].items():
-        print(f"  {path:<16} loss {diff['loss']:.2e}, parameter gradients {diff['grad']:.2e}")
+    print_differences(results["differences"])
 
     results["peak_mib"] = {
         path: step_peak_bytes(model, tokens, target, alpha=a.alpha, path=path,
                               chunk_mb=a.chunk_mb) / 2**20 for path in PATHS}
-    where = "CUDA max_memory_allocated" if device.type == "cuda" else \
-        "storages allocated by torch ops, CPU"
-    print(f"\npeak memory of one training step beyond the model and its gradients ({where}):")
-    for path, mib in results["peak_mib"].items():
-        print(f"  {mib:8.1f} MiB  {PATHS[path]}")
+    print_peaks(results["peak_mib"], device)
     if a.json:
         print(json.dumps(results))
     return results

@@ -608,16 +608,25 @@ def reinforce_step(generator, rewards, log_prob, baseline_decay, leave_one_out=F
 
 def pruning_update(generator, task_rewards, dropped, batch, *, baseline_decay,
                    leave_one_out=False, budget=0, price_step=0.0, force=False):
-    """The generator's side of a pruning step, for the task and the controls alike:
-    shape the rewards (:func:`shape_rewards`), one REINFORCE update
-    (:func:`reinforce_step`) that also gathers the interval's statistics, the pruning
-    decision (:meth:`AttendOutGenerator.decide`), and with a ``budget`` the price's dual
-    ascent: ``price += price_step * (budget - layers pruned)``, never below 0.
+    """The generator's side of a pruning step, for the task and the controls alike: its
+    update (:func:`reinforce_generator`), then the decision (:func:`decide_pruning`).
 
     ``task_rewards[t]``, ``dropped[t]``: ``(m,)`` per example of cached batch ``t``;
     ``batch(t)``: ``(drop logits with a graph into the generator, the batch's mask,
     its padding mask)``. Returns ``(decision statistic per layer, layers pruned now)``.
     """
+    statistic = reinforce_generator(generator, task_rewards, dropped, batch,
+                                    baseline_decay=baseline_decay, leave_one_out=leave_one_out)
+    return statistic, decide_pruning(generator, statistic, budget=budget,
+                                     price_step=price_step, force=force)
+
+
+def reinforce_generator(generator, task_rewards, dropped, batch, *, baseline_decay,
+                        leave_one_out=False):
+    """The generator's update at a pruning step: shape the rewards
+    (:func:`shape_rewards`), then one REINFORCE update (:func:`reinforce_step`) that also
+    gathers the interval's statistics. Arguments as :func:`pruning_update`'s. Returns the
+    decision statistic per layer (:meth:`AttendOutGenerator.finish_statistics`)."""
     with torch.no_grad():
         rewards = shape_rewards(generator, task_rewards, dropped, baseline_decay)
     totals = {}
@@ -633,9 +642,16 @@ def pruning_update(generator, task_rewards, dropped, batch, *, baseline_decay,
     finally:
         generator.requires_grad_(False)
     generator.pruning_steps += 1
-    statistic = generator.finish_statistics(totals)
+    return generator.finish_statistics(totals)
+
+
+def decide_pruning(generator, statistic, *, budget=0, price_step=0.0, force=False):
+    """The decision of a pruning step, after the generator's update
+    (:meth:`AttendOutGenerator.decide`), and with a ``budget`` the price's dual ascent:
+    ``price += price_step * (budget - layers pruned)``, never below 0. Returns the layers
+    pruned now."""
     now = generator.decide(statistic, budget, force)
     if budget:  # dual ascent: dearer while layers are missing from the budget
         missing = budget - int(generator.pruned.sum())
         generator.price = max(0.0, generator.price + price_step * missing)
-    return statistic, now
+    return now

@@ -132,7 +132,7 @@ def summarize(bart, sources, out, batch_size=32, decoding=None):
     return hypotheses
 
 
-def parse_args(argv=None):
+def build_parser():
     env = os.environ.get
     p = ArgumentParser(description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -166,6 +166,13 @@ def parse_args(argv=None):
     p.add_argument("--cpu", action="store_true", help="decode on the CPU even with a GPU")
     p.add_argument("--fp16", action="store_true", help="half precision on the GPU (as the "
                                                        "authors' inference script)")
+    return p
+
+
+def parse_args(argv=None):
+    """The command line, with --source/--target from --raw and --out's default filled in;
+    a missing option or input file is refused with what to run or pass."""
+    p = build_parser()
     a = p.parse_args(argv)
     if a.raw:
         a.source = a.source or str(Path(a.raw) / f"{a.split}.source")

@@ -378,7 +378,7 @@ def train_and_score(a, size):
     return planned, finished
 
 
-def main(argv=None):
+def build_parser():
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="where everything goes (default: "
                    "work/libreoffice-demo, with --quick work/libreoffice-demo-quick)")
@@ -399,12 +399,26 @@ def main(argv=None):
                         "fairseq-train validates in batches of a multiple of that)")
     p.add_argument("--parallel", type=int, default=os.cpu_count() or 1,
                    help="runs at a time (one thread each)")
+    return p
+
+
+def parse_args(argv=None):
+    """``(the command line, the demo's size)``: the defaults that depend on --quick filled
+    in, the size checked (:func:`demo_size`)."""
+    p = build_parser()
     a = p.parse_args(argv)
-    size = dict(SIZES["quick" if a.quick else "full"])
     # a --quick run of its own directory: its settings differ, and a rerun must find its own
     a.out = a.out or Path("work/libreoffice-demo" + ("-quick" if a.quick else ""))
     a.seeds = a.seeds or ([1] if a.quick else [1, 2, 3])
     a.control_seeds = a.control_seeds or a.seeds[:1]
+    return a, demo_size(a, p)
+
+
+def demo_size(a, p):
+    """The entry of SIZES the command line asks for (``--quick`` or the full demo), with
+    its overrides (``--epochs``, ``--train-pairs``, ``--alpha``, ``--eval-pairs``); an
+    ``--eval-pairs`` that leaves fairseq-train no validation batch is refused."""
+    size = dict(SIZES["quick" if a.quick else "full"])
     if a.epochs:
         size["epochs"] = a.epochs
     if a.train_pairs:
@@ -420,29 +434,25 @@ def main(argv=None):
                     f"--eval-pairs {BATCH_MULTIPLE} or more")
         size["valid_pairs"] = size["test_pairs"] = a.eval_pairs
     size["average"] = min(size["average"], size["epochs"])
-    a.out.mkdir(parents=True, exist_ok=True)
-    if a.fresh:
-        start_over(a.out)
-    check_settings(a.out, size)
-    print(f"[demo] writing to {a.out}: a rerun of this command reuses what is done there and "
-          "continues interrupted runs; --fresh starts over", flush=True)
-    if a.quick:
-        print(f"[demo] {smoke_test(a.seeds, size)}", flush=True)
-    try:
-        planned, finished = train_and_score(a, size)
-    except KeyboardInterrupt:
-        sys.exit(f"\n[demo] interrupted. Finished runs are kept in {a.out}; the same command "
-                 "continues the others from their last epoch checkpoint (--fresh: start over)")
+    return size
+
+
+def gather_results(planned, finished, runs):
+    """``{run: {"seeds", "test_bleu", "valid_curves"}}`` from each planned run's result, the
+    runs in the order of ``runs`` (the command line's), the seeds in the planned order."""
     results = {}
-    for name, _ in sorted(planned, key=lambda job: a.runs.index(job[0].rsplit(" s", 1)[0])):
+    for name, _ in sorted(planned, key=lambda job: runs.index(job[0].rsplit(" s", 1)[0])):
         run, seed = name.rsplit(" s", 1)
         entry = results.setdefault(run, {"seeds": [], "test_bleu": [], "valid_curves": []})
         entry["seeds"].append(int(seed))
         entry["test_bleu"].append(finished[name]["test_bleu"])
         entry["valid_curves"].append(finished[name]["valid_curve"])
-    write_json(a.out / "results.json", {"size": size, "runs": results})
-    plot({run: r["valid_curves"] for run, r in results.items()}, a.out / "valid_bleu.png")
+    return results
 
+
+def print_summary(results, a, size):
+    """The table of test BLEU per run (mean ± std over seeds), R-Drop's gain over the
+    baseline beside the seeds' spread, and where the plot and the results are."""
     print("\n| run | test BLEU (beam 5), mean ± std over seeds | per seed |")
     print("|---|---|---|")
     for run, r in results.items():
@@ -461,6 +471,27 @@ def main(argv=None):
         print(f"\n{smoke_test(a.seeds, size)}")
     print(f"\nplot: {a.out / 'valid_bleu.png'}; results: {a.out / 'results.json'}, one "
           f"{a.out}/RUN_seedN/result.json per run; rerunning reuses them, --fresh starts over")
+
+
+def main(argv=None):
+    a, size = parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.fresh:
+        start_over(a.out)
+    check_settings(a.out, size)
+    print(f"[demo] writing to {a.out}: a rerun of this command reuses what is done there and "
+          "continues interrupted runs; --fresh starts over", flush=True)
+    if a.quick:
+        print(f"[demo] {smoke_test(a.seeds, size)}", flush=True)
+    try:
+        planned, finished = train_and_score(a, size)
+    except KeyboardInterrupt:
+        sys.exit(f"\n[demo] interrupted. Finished runs are kept in {a.out}; the same command "
+                 "continues the others from their last epoch checkpoint (--fresh: start over)")
+    results = gather_results(planned, finished, a.runs)
+    write_json(a.out / "results.json", {"size": size, "runs": results})
+    plot({run: r["valid_curves"] for run, r in results.items()}, a.out / "valid_bleu.png")
+    print_summary(results, a, size)
 
 
 if __name__ == "__main__":

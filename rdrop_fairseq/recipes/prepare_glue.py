@@ -236,12 +236,43 @@ def prepare_task(task, glue_dir, out, encoder_json, vocab_bpe, dict_path, worker
                  stsb_scale=STSB_SCALE):
     """Write ``out`` (a TASK-bin folder) for ``task``; returns the number of rows per split."""
     spec = TASKS[task]
-    folder = task_dir(glue_dir, task)
     out = Path(out)
     processed = out / "processed"
-    splits = {"train": "train", **{s: "valid" for s in spec.dev_splits}}
+    data, tests = read_task(task, task_dir(glue_dir, task))
+    for sub in ("processed", "input0", "input1", "label"):
+        target = out / sub
+        if target.exists():  # a previous run's output (only the folders this script writes)
+            for item in target.iterdir():
+                item.unlink()
+    processed.mkdir(parents=True, exist_ok=True)
+    encode_splits(data, len(spec.inputs), processed, encoder_json, vocab_bpe, dict_path,
+                  workers)
+    for i in range(len(spec.inputs)):
+        argv = ["--only-source", "--trainpref", str(processed / f"train.input{i}"),
+                "--validpref", split_prefixes(processed, spec.dev_splits, f"input{i}")]
+        if tests:
+            argv += ["--testpref", split_prefixes(processed, tests, f"input{i}")]
+        argv += ["--destdir", str(out / f"input{i}"), "--workers", str(workers),
+                 "--srcdict", str(dict_path)]
+        fairseq_preprocess(argv)
+    if spec.regression:
+        write_scores(task, data, out / "label", stsb_scale)
+    else:
+        binarize_labels(task, data, processed, out / "label", workers)
+    counts = {split: len(rows) for split, rows in data.items()}
+    print(f"[prepare] {task}: " + ", ".join(f"{s} {n}" for s, n in counts.items())
+          + f" rows -> {out}", flush=True)
+    return counts
+
+
+def read_task(task, folder):
+    """``(rows per split, test splits)`` of ``task`` from its folder: train, the dev splits
+    and the test splits (:func:`read_split`). The test files are optional, but all of them
+    or none."""
+    spec = TASKS[task]
     tests = [s for s in spec.test_splits if (folder / f"{s}.tsv").is_file()]
-    data = {split: read_split(task, folder, split) for split in list(splits) + tests}
+    data = {split: read_split(task, folder, split)
+            for split in ["train", *spec.dev_splits, *tests]}
     if tests and len(tests) != len(spec.test_splits):
         missing = sorted(set(spec.test_splits) - set(tests))
         raise GlueDataError(f"{folder} has {', '.join(tests)}.tsv but no "
@@ -249,18 +280,16 @@ def prepare_task(task, glue_dir, out, encoder_json, vocab_bpe, dict_path, worker
     if not tests:
         print(f"[prepare] {task}: no test split in {folder}; binarizing train and dev",
               flush=True)
+    return data, tests
 
-    for sub in ("processed", "input0", "input1", "label"):
-        target = out / sub
-        if target.exists():  # a previous run's output (only the folders this script writes)
-            for item in target.iterdir():
-                item.unlink()
-    processed.mkdir(parents=True, exist_ok=True)
 
+def encode_splits(data, n_inputs, processed, encoder_json, vocab_bpe, dict_path, workers):
+    """Write into ``processed`` each split's text columns (SPLIT.raw.inputI), their GPT-2
+    BPE ids (SPLIT.inputI) and, but for the test splits, the labels (SPLIT.label). Says
+    so when BPE tokens are missing from ``dict_path`` (a dictionary of another BPE)."""
     from fairseq.data import Dictionary
 
     known = set(Dictionary.load(str(dict_path)).indices)
-    n_inputs = len(spec.inputs)
     total = missing = 0
     for split, rows in data.items():
         for i in range(n_inputs):
@@ -277,44 +306,42 @@ def prepare_task(task, glue_dir, out, encoder_json, vocab_bpe, dict_path, worker
               "(they become <unk>): are the dictionary and the BPE files from the same "
               "GPT-2 BPE?", flush=True)
 
-    def prefixes(names, key):
-        return ",".join(str(processed / f"{s}.{key}") for s in names)
 
-    for i in range(n_inputs):
-        argv = ["--only-source", "--trainpref", str(processed / f"train.input{i}"),
-                "--validpref", prefixes(spec.dev_splits, f"input{i}")]
-        if tests:
-            argv += ["--testpref", prefixes(tests, f"input{i}")]
-        argv += ["--destdir", str(out / f"input{i}"), "--workers", str(workers),
-                 "--srcdict", str(dict_path)]
-        fairseq_preprocess(argv)
+def split_prefixes(processed, splits, key):
+    """fairseq-preprocess's comma-separated prefixes of ``splits``' files ``SPLIT.KEY``
+    (MNLI's two dev splits become valid and valid1)."""
+    return ",".join(str(processed / f"{s}.{key}") for s in splits)
 
-    if not spec.regression:
-        train_labels = {label for _, label in data["train"]}
-        for split in spec.dev_splits:
-            unseen = sorted({label for _, label in data[split]} - train_labels)
-            if unseen:
-                raise GlueDataError(f"{task} {split}.tsv has labels that train.tsv never "
-                                    f"has: {', '.join(map(repr, unseen))}")
-        fairseq_preprocess(["--only-source", "--trainpref", str(processed / "train.label"),
-                            "--validpref", prefixes(spec.dev_splits, "label"),
-                            "--destdir", str(out / "label"), "--workers", str(workers)])
-    else:  # the regression path reads label/{split}.label, one float per line
-        (out / "label").mkdir(parents=True, exist_ok=True)
-        for split, name in splits.items():
-            values = []
-            for number, (_, label) in enumerate(data[split], start=1):
-                try:
-                    values.append(float(label))
-                except ValueError:
-                    raise GlueDataError(f"{task} {split}.tsv row {number}: score {label!r} "
-                                        "is not a number") from None
-            write_lines(out / "label" / f"{name}.label", [f"{v / stsb_scale:.6g}"
-                                                           for v in values])
-    counts = {split: len(rows) for split, rows in data.items()}
-    print(f"[prepare] {task}: " + ", ".join(f"{s} {n}" for s, n in counts.items())
-          + f" rows -> {out}", flush=True)
-    return counts
+
+def binarize_labels(task, data, processed, label_dir, workers):
+    """A classification task's labels, binarized into ``label_dir`` with a dictionary built
+    from train's; a dev label that train never has is refused."""
+    spec = TASKS[task]
+    train_labels = {label for _, label in data["train"]}
+    for split in spec.dev_splits:
+        unseen = sorted({label for _, label in data[split]} - train_labels)
+        if unseen:
+            raise GlueDataError(f"{task} {split}.tsv has labels that train.tsv never "
+                                f"has: {', '.join(map(repr, unseen))}")
+    fairseq_preprocess(["--only-source", "--trainpref", str(processed / "train.label"),
+                        "--validpref", split_prefixes(processed, spec.dev_splits, "label"),
+                        "--destdir", str(label_dir), "--workers", str(workers)])
+
+
+def write_scores(task, data, label_dir, stsb_scale):
+    """A regression task's scores as text, ``label_dir/{train,valid}.label``, one float a
+    line divided by ``stsb_scale`` (fairseq's regression path reads them so)."""
+    label_dir.mkdir(parents=True, exist_ok=True)
+    splits = {"train": "train", **{s: "valid" for s in TASKS[task].dev_splits}}
+    for split, name in splits.items():
+        values = []
+        for number, (_, label) in enumerate(data[split], start=1):
+            try:
+                values.append(float(label))
+            except ValueError:
+                raise GlueDataError(f"{task} {split}.tsv row {number}: score {label!r} "
+                                    "is not a number") from None
+        write_lines(label_dir / f"{name}.label", [f"{v / stsb_scale:.6g}" for v in values])
 
 
 env = os.environ.get  # an option's default: its environment variable

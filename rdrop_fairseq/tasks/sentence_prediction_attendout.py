@@ -26,6 +26,10 @@ fp16 overflow; AMP's overflow, retried on the same batch) leaves no action to re
 cache is saved with the checkpoint, so a run resumed between two pruning steps rewards the
 whole interval.
 
+This module is the schedule (when masks are drawn, what the cache holds, when a pruning
+step runs, D <- A); the masks, the rewards and the generator's side of the pruning step
+(steps 1, 3 and 4) are :class:`~rdrop_fairseq.tasks.attendout_pruning.AttendOutPruning`'s.
+
 The criterion is any sentence-prediction criterion: ``sentence_prediction`` or
 ``sentence_prediction_rdrop`` (AttendOut + R-Drop: the mask is part of ``net_input``, so
 R-Drop's duplicated batch carries the same mask in both passes).
@@ -37,7 +41,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from fairseq import utils
 from fairseq.dataclass import ChoiceEnum
 from fairseq.logging import metrics
@@ -49,10 +52,9 @@ from ..models.attendout_layers import (
     SEARCH_DEFAULTS,
     check_search_options,
     pack_mask,
-    pruning_update,
     search_option,
-    unpack_mask,
 )
+from .attendout_pruning import AttendOutPruning, describe_step
 
 logger = logging.getLogger(__name__)
 
@@ -154,22 +156,9 @@ class SentencePredictionAttendOutConfig(SentencePredictionConfig):
 class SentencePredictionAttendOutTask(SentencePredictionTask):
     def __init__(self, cfg, data_dictionary, label_dictionary):
         super().__init__(cfg, data_dictionary, label_dictionary)
-        if cfg.attendout_interval < 1:
-            raise ValueError(f"--attendout-interval must be >= 1, got {cfg.attendout_interval}")
-        if not cfg.attendout_generator_lr > 0:
-            raise ValueError("--attendout-generator-lr must be > 0, got "
-                             f"{cfg.attendout_generator_lr}")
-        if not 0 <= cfg.attendout_baseline_decay < 1:
-            raise ValueError("--attendout-baseline-decay must be in [0, 1), got "
-                             f"{cfg.attendout_baseline_decay}")
-        check_search_options(cfg, None, getattr(cfg, "max_update", 0))
-        if cfg.regression_target and cfg.attendout_reward == "accuracy":
-            raise ValueError("--attendout-reward accuracy needs classification; regression "
-                             "(--regression-target) is rewarded by the MSE: use loss")
-        if cfg.attendout_baseline == "leave_one_out" and cfg.attendout_reward_per_batch:
-            raise ValueError("--attendout-baseline leave_one_out compares the examples of a "
-                             "batch, which --attendout-reward-per-batch gives one reward: use "
-                             "--attendout-baseline moving_average")
+        check_task_options(cfg)
+        # the masks, the rewards and the generator's side of the pruning step
+        self.pruning = AttendOutPruning(cfg, data_dictionary.pad())
         # (sample, its attacker mask as bits, its rewards with the step timing, else None)
         # of the applied updates since the last pruning step: B * layers * T^2 / 8 bytes
         # each; _pending: those of the update in progress
@@ -210,7 +199,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
     @property
     def budget(self):
         """K of --attendout-target-layers (0: no budget)."""
-        return search_option(self.cfg, "attendout_target_layers")
+        return self.pruning.budget
 
     @property
     def deadline_update(self):
@@ -232,13 +221,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         model.train()
         model.set_num_updates(update_num)
         tokens = sample["net_input"]["src_tokens"]
-        padding_mask = tokens.eq(self.source_dictionary.pad())
-        generator = model.generator
-        with torch.no_grad():
-            logits = self._drop_logits(model, tokens, padding_mask)
-            drop_rate = generator.batch_drop_rate(logits, padding_mask)
-            seed = self._next_seed(generator)
-            drop = generator.sample(logits, padding_mask, seed)
+        drop, drop_rate = self.pruning.draw_masks(model, tokens)
         attacker = dict(sample, net_input=dict(sample["net_input"], attendout_drop=drop))
         defender = dict(sample, net_input=dict(sample["net_input"], attendout_role="defender"))
         amp = isinstance(optimizer, _amp_optimizer_types())
@@ -259,7 +242,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
             rewards = None
             if step_timing:  # r_t: this step's own training losses, attacker over defender
                 with torch.no_grad():
-                    rewards = self._reward_from_logits(model, sample, *heads.outputs)
+                    rewards = self.pruning.step_rewards(model, sample, *heads.outputs)
             self._pending.append((sample, pack_mask(drop), rewards))
         with torch.autograd.profiler.record_function("backward"):
             optimizer.backward(total)
@@ -314,118 +297,22 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if generator is not None:
             generator.cached_batches = len(self._cache)
 
-    def _drop_logits(self, model, tokens, padding_mask):
-        h0 = model.encoder.sentence_encoder.embed_without_dropout(tokens).detach()
-        return model.generator(h0, padding_mask)
-
-    def _next_seed(self, generator):
-        generator.masks_drawn += 1
-        return (self.cfg.seed * 1_000_003 + generator.masks_drawn) % (2 ** 62)
-
     def pruning_step(self, model, optimizer, update=None):
         """Reward the generator for the cached batches (REINFORCE, Eq. 4), decide which
         layers are pruned, adapt the price to the budget, then D <- A."""
         generator = model.generator
         cache, self._cache = self._cache, []
         generator.cached_batches = 0
-        statistic = generator.gate_prob if generator.decision == "layer" else (
-            generator.greedy_all_dropped)  # (no batch since the last step: unchanged)
         force = bool(self.budget) and update is not None and update >= self.deadline_update
-        if cache:
-            model.eval()
-            generator.build_optimizer(self.cfg.attendout_generator_lr,
-                                      search_option(self.cfg, "attendout_gate_lr"))
-            device = generator.drop_bias.device
-            cache = [(utils.apply_to_sample(lambda t: t.to(device), sample), packed,
-                      None if rewards is None else rewards.to(device))
-                     for sample, packed, rewards in cache]  # (restored: on the CPU)
-            pad = self.source_dictionary.pad()
-            task_rewards, dropped = [], []
-            with torch.no_grad():
-                for sample, packed, rewards in cache:
-                    drop = unpack_mask(*packed)
-                    task_rewards.append(self.rewards(model, sample, drop) if rewards is None
-                                        else rewards)
-                    dropped.append(generator.layers_dropped(
-                        drop, sample["net_input"]["src_tokens"].eq(pad)))
-
-            def batch(t):
-                # log P(action) is taken under the generator, whose parameters have not
-                # changed since the action; its input (the embeddings) may have, slightly
-                sample, packed, _ = cache[t]
-                tokens = sample["net_input"]["src_tokens"]
-                padding_mask = tokens.eq(pad)
-                return (self._drop_logits(model, tokens, padding_mask), unpack_mask(*packed),
-                        padding_mask)
-
-            statistic, now = pruning_update(
-                generator, task_rewards, dropped, batch,
-                baseline_decay=self.cfg.attendout_baseline_decay,
-                leave_one_out=self.cfg.attendout_baseline == "leave_one_out",
-                budget=self.budget, price_step=search_option(self.cfg, "attendout_price_step"),
-                force=force)
-            model.train()
-        else:  # (the deadline after a skipped update, say)
-            now = generator.decide(statistic, self.budget, force)
-        pruned = generator.pruned_layers()
+        statistic, now = self.pruning.step(model, cache, force)
         if now:
-            model.set_pruned_layers(pruned)
+            model.set_pruned_layers(generator.pruned_layers())
+        finished = self.search_finished(model)
         if cache or now:
-            parts = [f"AttendOut pruning step {generator.pruning_steps}"
-                     + (f" (update {update})" if update is not None else "")
-                     + f": generator rewarded on {len(cache)} cached batches",
-                     "decision statistic per layer "
-                     + " ".join(f"{p:.3f}" for p in statistic.tolist()),
-                     f"price {generator.price:.3f}"]
-            if now:
-                parts.append(f"pruned now {','.join(map(str, now))}"
-                             + (" (deadline)" if force else ""))
-            parts.append(f"pruned {','.join(map(str, pruned)) or 'none'}")
-            parts.append("budget filled: the attacker trains as exported from now on"
-                         if self.search_finished(model) else "defender <- attacker")
-            logger.info("; ".join(parts))
-        if not self.search_finished(model):
+            logger.info(describe_step(generator, statistic, now, update=update,
+                                      batches=len(cache), force=force, finished=finished))
+        if not finished:
             self.copy_attacker_to_defender(model, optimizer)
-
-    def rewards(self, model, sample, drop):
-        """Per-example reward of the attacker with masks ``drop`` over the defender (positive
-        when the attacker wins), ``(B,)``; every example gets its batch's mean with
-        ``--attendout-reward-per-batch``."""
-        reward = (self._example_scores(model, sample, drop=drop)
-                  - self._example_scores(model, sample, role="defender"))
-        if self.cfg.attendout_reward_per_batch:
-            reward = reward.mean().expand_as(reward)
-        return reward
-
-    def _example_scores(self, model, sample, drop=None, role="attacker"):
-        """Per-example score of the attacker (masks ``drop``) or the defender, larger =
-        better: minus the loss, or correctness with ``--attendout-reward accuracy``."""
-        logits, _ = model(**sample["net_input"], features_only=True,
-                          classification_head_name=self.cfg.classification_head_name,
-                          attendout_drop=drop, attendout_role=role)
-        return self._scores(logits, model.get_targets(sample, [logits]).view(-1))
-
-    def _scores(self, logits, targets):
-        if self.cfg.regression_target:
-            return -F.mse_loss(logits.view(-1).float(), targets.float(), reduction="none")
-        if self.cfg.attendout_reward == "accuracy":
-            return logits.argmax(-1).eq(targets).float()
-        return -F.cross_entropy(logits.float(), targets, reduction="none")
-
-    def _reward_from_logits(self, model, sample, attacker_logits, defender_logits):
-        """The step timing's reward per example, from the training forward's outputs (both
-        passes' mean under R-Drop, whose batch is doubled)."""
-        targets = model.get_targets(sample, [attacker_logits]).view(-1)
-        passes = attacker_logits.size(0) // targets.numel()
-
-        def score(logits):
-            return self._scores(logits.detach(), targets.repeat(passes)).view(
-                passes, -1).mean(0)
-
-        reward = score(attacker_logits) - score(defender_logits)
-        if self.cfg.attendout_reward_per_batch:
-            reward = reward.mean().expand_as(reward)
-        return reward
 
     def copy_attacker_to_defender(self, model, optimizer):
         """D <- A in the model and, under --fp16/--bf16, in fairseq's fp32 master copies
@@ -464,36 +351,63 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
 
     def reduce_metrics(self, logging_outputs, criterion):
         super().reduce_metrics(logging_outputs, criterion)
-        sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
-        nsentences = sum(log.get("nsentences", 0) for log in logging_outputs)
-        if any("defender_loss" in log for log in logging_outputs):
-            total = utils.item(sum(log.get("defender_loss", 0) for log in logging_outputs))
-            metrics.log_scalar("defender_loss", total / max(sample_size, 1) / math.log(2),
-                               sample_size, round=3)
-        drop_keys = sorted({k for log in logging_outputs for k in log
-                            if k.startswith("attendout_drop_L")}, key=lambda k: int(k[16:]))
-        for key in drop_keys:
-            rate = utils.item(sum(log.get(key, 0) for log in logging_outputs))
-            metrics.log_scalar(key, rate / max(sample_size, 1), sample_size, round=3)
-        if any("loss_unpruned" in log for log in logging_outputs):
-            total = utils.item(sum(log.get("loss_unpruned", 0) for log in logging_outputs))
-            unpruned = total / max(sample_size, 1) / math.log(2)
-            metrics.log_scalar("loss_unpruned", unpruned, sample_size, round=3)
-            loss = utils.item(sum(log.get("loss", 0) for log in logging_outputs))
-            metrics.log_scalar("loss_pruning_gap", loss / max(sample_size, 1) / math.log(2)
-                               - unpruned, sample_size, round=3)
-        if any("ncorrect_unpruned" in log for log in logging_outputs):
-            correct = utils.item(sum(log.get("ncorrect_unpruned", 0) for log in logging_outputs))
-            metrics.log_scalar("accuracy_unpruned", 100.0 * correct / max(nsentences, 1),
-                               nsentences, round=1)
-            pruned = utils.item(sum(log.get("ncorrect", 0) for log in logging_outputs))
-            metrics.log_scalar("accuracy_pruning_gap",
-                               100.0 * (pruned - correct) / max(nsentences, 1), nsentences,
-                               round=1)
-        if any("attendout_num_pruned" in log for log in logging_outputs):
-            metrics.log_scalar("attendout_num_pruned",
-                               max(log.get("attendout_num_pruned", 0) for log in logging_outputs),
-                               weight=0, round=0)
+        log_attendout_metrics(logging_outputs)
+
+
+def check_task_options(cfg):
+    """Refuse the task's options that cannot run together, before anything is built."""
+    if cfg.attendout_interval < 1:
+        raise ValueError(f"--attendout-interval must be >= 1, got {cfg.attendout_interval}")
+    if not cfg.attendout_generator_lr > 0:
+        raise ValueError("--attendout-generator-lr must be > 0, got "
+                         f"{cfg.attendout_generator_lr}")
+    if not 0 <= cfg.attendout_baseline_decay < 1:
+        raise ValueError("--attendout-baseline-decay must be in [0, 1), got "
+                         f"{cfg.attendout_baseline_decay}")
+    check_search_options(cfg, None, getattr(cfg, "max_update", 0))
+    if cfg.regression_target and cfg.attendout_reward == "accuracy":
+        raise ValueError("--attendout-reward accuracy needs classification; regression "
+                         "(--regression-target) is rewarded by the MSE: use loss")
+    if cfg.attendout_baseline == "leave_one_out" and cfg.attendout_reward_per_batch:
+        raise ValueError("--attendout-baseline leave_one_out compares the examples of a "
+                         "batch, which --attendout-reward-per-batch gives one reward: use "
+                         "--attendout-baseline moving_average")
+
+
+def log_attendout_metrics(logging_outputs):
+    """AttendOut's columns of the training and validation logs, beside the criterion's: the
+    defender's loss, each layer's drop rate, the unpruned model's loss and accuracy and the
+    gaps to them, the number of pruned layers."""
+    sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
+    nsentences = sum(log.get("nsentences", 0) for log in logging_outputs)
+    if any("defender_loss" in log for log in logging_outputs):
+        total = utils.item(sum(log.get("defender_loss", 0) for log in logging_outputs))
+        metrics.log_scalar("defender_loss", total / max(sample_size, 1) / math.log(2),
+                           sample_size, round=3)
+    drop_keys = sorted({k for log in logging_outputs for k in log
+                        if k.startswith("attendout_drop_L")}, key=lambda k: int(k[16:]))
+    for key in drop_keys:
+        rate = utils.item(sum(log.get(key, 0) for log in logging_outputs))
+        metrics.log_scalar(key, rate / max(sample_size, 1), sample_size, round=3)
+    if any("loss_unpruned" in log for log in logging_outputs):
+        total = utils.item(sum(log.get("loss_unpruned", 0) for log in logging_outputs))
+        unpruned = total / max(sample_size, 1) / math.log(2)
+        metrics.log_scalar("loss_unpruned", unpruned, sample_size, round=3)
+        loss = utils.item(sum(log.get("loss", 0) for log in logging_outputs))
+        metrics.log_scalar("loss_pruning_gap", loss / max(sample_size, 1) / math.log(2)
+                           - unpruned, sample_size, round=3)
+    if any("ncorrect_unpruned" in log for log in logging_outputs):
+        correct = utils.item(sum(log.get("ncorrect_unpruned", 0) for log in logging_outputs))
+        metrics.log_scalar("accuracy_unpruned", 100.0 * correct / max(nsentences, 1),
+                           nsentences, round=1)
+        pruned = utils.item(sum(log.get("ncorrect", 0) for log in logging_outputs))
+        metrics.log_scalar("accuracy_pruning_gap",
+                           100.0 * (pruned - correct) / max(nsentences, 1), nsentences,
+                           round=1)
+    if any("attendout_num_pruned" in log for log in logging_outputs):
+        metrics.log_scalar("attendout_num_pruned",
+                           max(log.get("attendout_num_pruned", 0) for log in logging_outputs),
+                           weight=0, round=0)
 
 
 _NEEDS_HEAD_CRITERION = (
