@@ -113,3 +113,28 @@ def test_the_readmes_first_command_is_named_as_what_it_runs():
         for m in re.finditer(r"README's first command", body):
             around = body[max(0, m.start() - 300):m.end() + 300]
             assert "scripts/demo.sh" in around and "toy" not in around, (page.name, around)
+
+
+def test_testing_md_is_a_guide_not_a_log():
+    """One current time per tier, at most two dates (link anchors included); the history of
+    runs lives in docs/development.md, whose section testing.md links."""
+    doc = text(DOCS / "testing.md")
+    assert len(re.findall(r"\d{4}-\d\d-\d\d", doc)) <= 2
+    table = [line for line in doc.splitlines() if line.startswith("| the ")]
+    assert [row.split(" | ")[0] for row in table] == [
+        "| the whole suite", "| the core tier", "| the CUDA tests"]
+    assert "development.md#the-suites-time-as-it-grew" in doc
+    assert "\n## The suite's time as it grew\n" in text(DOCS / "development.md")
+
+
+def test_huggingface_md_gives_its_evidence_in_one_table_of_files_that_exist():
+    doc = text(DOCS / "huggingface.md")
+    section = doc[doc.index("\n## What the tests show\n"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert rows[0] == "| setting | test file | what it shows |" and len(rows) > 10
+    named = {f for row in rows[2:] for f in re.findall(r"`(tests/\w+\.py)`", row.split(" | ")[1])}
+    assert named and all((REPO / f).is_file() for f in named), named
+    # the usage comes first: the table follows the sections a user reads to train
+    assert doc.index("## Install and train") < doc.index("## A loop of your own") \
+        < doc.index("## What the tests show")
