@@ -19,8 +19,10 @@ setup(
         # triton: tests/test_triton_kernel.py runs the fused kernel in Triton's CPU
         # interpreter (verified with 3.0.0, 3.2.0 and 3.9.0); wheels exist for Linux only.
         # threadpoolctl: a warm test command's thread count (tests/warm_process.py)
+        # liger-kernel: RDropTrainer with use_liger_kernel (tests/test_hf_edges.py, its
+        # patched forward on a CPU; 0.8.5 tested)
         "test": ["pytest>=7", "pytest-xdist>=3", 'triton>=3.0; platform_system == "Linux"',
-                 "threadpoolctl>=3"],
+                 "threadpoolctl>=3", 'liger-kernel>=0.8.5; platform_system == "Linux"'],
         # rdrop_fairseq.recipes, run by scripts/*.sh (tokenisation, BPE, sentencepiece for
         # Chinese, ROUGE, plots,
         # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check;
@@ -38,9 +40,9 @@ setup(
         # "Please install tensorboardX" (fairseq/tasks/text_to_speech.py, at import)
         "tensorboard": ["tensorboardX>=2.1"],
         # rdrop_fairseq.hf (RDropTrainer) and scripts/glue_bert.sh: Hugging Face's Trainer,
-        # which needs accelerate. The suite runs with transformers 5.24.0 and accelerate
-        # 1.15.0 on torch 2.13, and its Hugging Face tests with transformers 4.49.0 (the
-        # floor: tests/test_transformers_floor.py); before 4.48 the Trainer's
+        # which needs accelerate. The suite runs with transformers 5.25.0 and accelerate
+        # 1.16.0 on torch 2.13 (5.24.0 and 1.15.0 before), and its Hugging Face tests with
+        # transformers 4.49.0 (the floor: tests/test_transformers_floor.py); before 4.48 the Trainer's
         # gradient-accumulation rules differ between patch releases (docs/huggingface.md)
         "hf": ["transformers>=4.49.0,<6", "accelerate>=1.0.1", "scikit-learn", "scipy"],
         # RDropMixin with TRL's SFTTrainer and PEFT's LoRA (docs/huggingface.md), tested

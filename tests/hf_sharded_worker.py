@@ -1,6 +1,6 @@
 """The processes of tests/test_hf_sharded.py: one SGD step of RDropTrainer on 4 examples
 with the model sharded by the Trainer itself, under DeepSpeed ZeRO (its ``deepspeed=``
-configuration) or FSDP2 (``fsdp="full_shard"``, FSDP version 2), on torchrun's 2 CPU
+configuration) or FSDP2 (``fsdp=True`` with ``fsdp_config``, FSDP version 2), on torchrun's 2 CPU
 processes (gloo); then rank 0 writes, per case, the update of every parameter (gathered
 whole), the step's training loss, the eval_loss after it, and whether the output
 embedding's weight was a shard before the step. Alone (no torchrun), ``reference`` gives
@@ -25,7 +25,7 @@ import transformers
 from transformers import TrainerCallback, TrainingArguments
 
 from rdrop_fairseq import hf
-from tests.tiny_hf_models import Unscaled, causal, examples, seq2seq
+from tests.tiny_hf_models import Unscaled, causal, examples, fsdp_arguments, seq2seq
 
 # a case: the sharding, the model, the fused path or not, gradient checkpointing or not,
 # gradient accumulation steps; each sharding with both paths under gradient checkpointing,
@@ -119,8 +119,7 @@ def _sharding(how, make):
         return {"deepspeed": config}
     PartialState().distributed_type = DistributedType.MULTI_GPU  # see the module's doc
     layers = {"causal": ["GPT2Block"], "seq2seq": ["MarianEncoderLayer", "MarianDecoderLayer"]}
-    return {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap":
-                                                  layers[make.__name__]}}
+    return fsdp_arguments(2, layers[make.__name__])
 
 
 def _gathered(trainer, before):

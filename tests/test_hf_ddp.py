@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from tests.hf_ddp_worker import CASES, run  # noqa: E402
 from tests.torchrun_launch import child_env, failure, torchrun  # noqa: E402
@@ -84,27 +84,32 @@ def test_fsdp2_sharded_model_gives_the_gradient_of_the_whole_batch(tmp_path, pat
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("path", ["fused", "logits"])
-def test_the_trainers_own_fsdp_on_a_gpu_trains_as_without_it(tmp_path, path):
-    """The Trainer's FSDP version 1 (full_shard, torchrun, one GPU; FSDP2 is tested on CPU
+def test_the_trainers_own_fsdp_on_a_gpu_trains_as_without_it(tmp_path, path, version):
+    """The Trainer's FSDP, version 1 (deprecated by transformers 5.25, kept while the floor
+    admits it) and 2 (full sharding, torchrun, one GPU; FSDP2 is also tested on CPU
     processes in tests/test_hf_sharded.py): its R-Drop step's loss, and the eval_loss after
     one SGD step (which its gradient decides), are the unsharded run's."""
     import json
 
+    if version == 2 and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("the Trainer's FSDP2 is transformers 5's")
     env = child_env()
     runs = {}
-    for mode in ("plain", "fsdp"):
+    for mode in ("plain", f"fsdp{version}"):
         command = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node", "1"] if mode == "fsdp" else [sys.executable])
+                    "--nproc_per_node", "1"] if mode != "plain" else [sys.executable])
         proc = subprocess.run([*command, "tests/hf_fsdp_trainer_worker.py",
                                str(tmp_path / mode), path, mode], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, failure(proc)
         runs[mode] = json.loads((tmp_path / mode).read_text())
-    assert "FullyShardedDataParallel" in runs["fsdp"]["wrapped"] or \
-        runs["fsdp"]["wrapped"].startswith("FSDP"), runs["fsdp"]
-    assert runs["fsdp"]["loss"] == pytest.approx(runs["plain"]["loss"], rel=1e-4)
-    assert runs["fsdp"]["eval_after"] == pytest.approx(runs["plain"]["eval_after"], rel=1e-4)
+    sharded = runs[f"fsdp{version}"]
+    assert "FullyShardedDataParallel" in sharded["wrapped"] or \
+        sharded["wrapped"].startswith("FSDP"), sharded
+    assert sharded["loss"] == pytest.approx(runs["plain"]["loss"], rel=1e-4)
+    assert sharded["eval_after"] == pytest.approx(runs["plain"]["eval_after"], rel=1e-4)
 
 
 @pytest.mark.slow

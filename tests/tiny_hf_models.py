@@ -1,6 +1,7 @@
 """The tiny Hugging Face models and examples the tests of several processes share (their
 workers and the tests that compare with one process): a GPT-2, a Marian and a BERT
-classifier with every dropout off, 4 examples each, and the mutation that must fail."""
+classifier with every dropout off, 4 examples each, the mutation that must fail, and the
+Trainer's FSDP arguments in the form the installed transformers expects."""
 
 import torch
 from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
@@ -46,3 +47,17 @@ class Unscaled(hf.RDropTrainer):
     def compute_loss(self, model, *a, **k):
         loss = super().compute_loss(model, *a, **k)
         return loss / self.args.world_size if model.training else loss
+
+
+def fsdp_arguments(version, layers):
+    """TrainingArguments' FSDP options: full sharding with FSDP ``version`` (1 or 2),
+    wrapping the layer classes ``layers``. ``fsdp=True`` with everything in ``fsdp_config``
+    where the installed transformers takes it (5.25 logs the string form as deprecated),
+    the string ``"full_shard"`` where it does not (the floor's)."""
+    from transformers import TrainingArguments
+
+    config = {"version": version, "transformer_layer_cls_to_wrap": layers}
+    if TrainingArguments.__dataclass_fields__["fsdp"].metadata.get("const") is True:
+        config["reshard_after_forward"] = True if version == 2 else "full_shard"
+        return {"fsdp": True, "fsdp_config": config}
+    return {"fsdp": "full_shard", "fsdp_config": config}

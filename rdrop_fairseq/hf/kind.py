@@ -3,16 +3,19 @@ what the model does rather than from its class name: a probe batch goes through 
 and its own loss is compared with the cross-entropy of its logits read each way. With the
 fused path, also whether its head is what that path computes (:func:`check_fused_head`)."""
 
+import contextlib
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from transformers import PretrainedConfig
 
-from .loss import decoder_inputs
+from .loss import FusedHead, decoder_inputs
 from .model import (IGNORE_INDEX, KINDS, head_module, is_task, logits_bias, logits_of,
                     router_loss, takes, unwrap)
 
-__all__ = ["model_kind", "read_kind", "check_fused_head"]
+__all__ = ["model_kind", "read_kind", "check_fused_head", "kinds_read_from_loss",
+           "random_state_kept"]
 
 # Model configurations whose head does more than a linear layer after the hidden states,
 # which the fused path does not reproduce: attribute, and what it does
@@ -85,7 +88,7 @@ def _probed_kind(model):
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), random_state_kept(model):
             extra = {"decoder_input_ids": ids} if is_seq2seq else {}
             logits = logits_of(_probe_call(model, name, input_ids=ids, **extra))
             if logits.dim() == 2 and logits.size(0) == _PROBE[0]:
@@ -102,7 +105,6 @@ def _compare_losses(model, ids, kinds, classes):
     encoder-decoder model's logits are those of the decoder inputs R-Drop makes."""
     inner = unwrap(model)
     name = type(inner).__name__
-    half = next(inner.parameters()).dtype in (torch.float16, torch.bfloat16)
     for seed in range(3):
         g = torch.Generator().manual_seed(seed + 1)
         if kinds == ("seq2seq",):  # target tokens: no special ones
@@ -111,30 +113,21 @@ def _compare_losses(model, ids, kinds, classes):
             labels = torch.randint(0, classes, _PROBE, generator=g).to(ids.device)
         labels[0, 3] = IGNORE_INDEX
         outputs = _probe_call(model, name, input_ids=ids, labels=labels)
-        if isinstance(outputs, Mapping):
-            own, logits = outputs.get("loss"), logits_of(outputs)
-        else:  # return_dict=False: the loss first where there is one
-            own, logits = (outputs[0], outputs[1]) if len(outputs) > 1 else (None, None)
-        if not torch.is_tensor(own) or own.dim() != 0:
+        own, logits = _own_loss(model, outputs)
+        if own is None:
             raise ValueError(f"{name} returned no loss for labels, so how its logits line up "
                              "with its labels cannot be read from it: pass rdrop_model_kind "
                              f"({', '.join(KINDS)})")
-        own = float(own.double() - router_loss(model, outputs))
         if kinds == ("seq2seq",):
             logits = logits_of(_probe_call(model, name, input_ids=ids,
                                             decoder_input_ids=decoder_inputs(inner, labels)))
-        logits = logits.double()
         if logits.shape[:2] != labels.shape:
             raise ValueError(f"{name}'s logits {tuple(logits.shape)} do not match a batch of "
                              f"{tuple(labels.shape)} token labels: pass rdrop_model_kind "
                              f"({', '.join(KINDS)})")
-        flat = dict(ignore_index=IGNORE_INDEX)
-        aligned = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **flat))
-        shifted = float(F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
-                                        **flat))
-        candidates = {"seq2seq": aligned, "encoder": aligned, "causal": shifted}
-        # the model's loss and these are of the same logits (its loss upcasts them)
-        tolerance = (2e-4 if half else 1e-5) * max(1.0, abs(own))
+        candidates = _cross_entropies(logits, labels)
+        aligned, shifted = candidates["encoder"], candidates["causal"]
+        tolerance = _tolerance(model, own)
         if abs(aligned - shifted) <= 4 * tolerance and len(kinds) > 1:
             continue  # this probe cannot tell them apart
         best = min(kinds, key=lambda k: abs(candidates[k] - own))
@@ -147,6 +140,72 @@ def _compare_losses(model, ids, kinds, classes):
             "something else, which R-Drop's loss would not reproduce")
     raise ValueError(f"{name}'s logits on probe batches do not tell whether its loss shifts "
                      f"the labels: pass rdrop_model_kind ({', '.join(KINDS)})")
+
+
+def _own_loss(model, outputs):
+    """The model's own loss in ``outputs``, less a mixture of experts' router loss (a
+    float), and its logits; ``(None, None)`` where it returned no loss."""
+    if isinstance(outputs, Mapping):
+        own, logits = outputs.get("loss"), outputs.get("logits")
+        if torch.is_tensor(own):
+            logits = logits_of(outputs)
+    else:  # return_dict=False: the loss first where there is one
+        own, logits = (outputs[0], outputs[1]) if len(outputs) > 1 else (None, None)
+    if not torch.is_tensor(own) or own.dim() != 0:
+        return None, None
+    return float(own.double() - router_loss(model, outputs)), logits
+
+
+def _cross_entropies(logits, labels):
+    """The cross-entropy of token ``logits`` against ``labels`` read as each kind: shifted
+    by one position (``causal``) or as they are (``encoder``, ``seq2seq``)."""
+    logits, flat = logits.double(), dict(ignore_index=IGNORE_INDEX)
+    aligned = float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **flat))
+    shifted = float(F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                    **flat))
+    return {"seq2seq": aligned, "encoder": aligned, "causal": shifted}
+
+
+def _tolerance(model, own):
+    """How far a reading of the logits may be from the model's own loss: both are of the
+    same logits (its loss upcasts them), so a rounding's worth, more for half precision."""
+    half = next(unwrap(model).parameters()).dtype in (torch.float16, torch.bfloat16)
+    return (2e-4 if half else 1e-5) * max(1.0, abs(own))
+
+
+def kinds_read_from_loss(model, inputs):
+    """How ``model``'s own loss on ``inputs`` (a training batch with its labels, dropout as
+    it is; no gradient, the random state kept) lines its logits up with the labels: the
+    kinds that reading agrees with, or None where it tells nothing (the model computes no
+    loss of its own, the labels are not class indices per example or per token, or the
+    shifted and unshifted readings are equal)."""
+    labels = inputs.get("labels")
+    extra = {"use_cache": False} if takes(model, "use_cache") else {}
+    with torch.no_grad(), random_state_kept(model):
+        outputs = model(**{**extra, **inputs})
+    own, logits = _own_loss(model, outputs)
+    if own is None or not torch.is_tensor(labels) or labels.is_floating_point():
+        return None
+    if logits.dim() == 2:  # one output per example: a sequence head, nothing shifted
+        return ("encoder",) if labels.dim() == 1 else None
+    if logits.shape[:2] != labels.shape:
+        return None
+    candidates, tolerance = _cross_entropies(logits, labels), _tolerance(model, own)
+    if abs(candidates["causal"] - candidates["encoder"]) <= 4 * tolerance:
+        return None
+    aligned = ("seq2seq" if getattr(unwrap(model).config, "is_encoder_decoder", False)
+               else "encoder")
+    return tuple(k for k in ("causal", aligned) if abs(candidates[k] - own) <= tolerance)
+
+
+@contextlib.contextmanager
+def random_state_kept(model):
+    """The global random state (CPU and the model's GPUs) as it was before, whatever the
+    model draws meanwhile (dropout; Reformer's LSH attention, even in evaluation mode), so
+    that reading a model changes none of its training's random draws."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    with torch.random.fork_rng(devices=devices):
+        yield
 
 
 def _probe_call(model, name, **inputs):
@@ -198,7 +257,9 @@ def check_fused_head(model, kind):
     if kind == "encoder" and not is_task(inner, "MASKED_LM"):
         raise ValueError(f"rdrop_fused_linear: {name} has no language-model head (it is for "
                          "causal, encoder-decoder and masked LMs); leave it False")
-    if "forward" in vars(head):  # accelerate's device hook (device_map, offload), say
+    own = vars(head).get("forward")
+    if own is not None and not isinstance(own, FusedHead):
+        # accelerate's device hook (device_map, offload), say (not R-Drop's own, FusedHead)
         raise ValueError(f"rdrop_fused_linear: {name}'s output embedding carries a forward of "
                          "its own (accelerate's hook of device_map='auto' or offloading, "
                          "say), which the fused path would bypass; leave it False")
@@ -206,13 +267,13 @@ def check_fused_head(model, kind):
         raise ValueError(f"rdrop_fused_linear: {name}'s output embedding is "
                          f"{type(head).__name__}, not a plain torch.nn.Linear (an adapter on the "
                          "head, say), which the fused path cannot reproduce; leave it False")
-    config = getattr(inner, "config", None)
-    for attribute, what in _HEAD_EXTRAS.items():
-        value = getattr(config, attribute, None)
-        if value is not None and value != 1 and value is not False:
-            raise ValueError(f"rdrop_fused_linear: {name}'s head {what} ({attribute} = "
-                             f"{value}) after its linear layer, which the fused path does "
-                             "not reproduce; leave it False")
+    for where, config in _configs(getattr(inner, "config", None)):
+        for attribute, what in _HEAD_EXTRAS.items():
+            value = getattr(config, attribute, None)
+            if value is not None and value != 1 and value is not False:
+                raise ValueError(f"rdrop_fused_linear: {name}'s head {what} ({attribute} = "
+                                 f"{value}{where}) after its linear layer, which the fused "
+                                 "path does not reproduce; leave it False")
     _check_head_is_linear(model, head, kind)
 
 
@@ -229,7 +290,7 @@ def _check_head_is_linear(model, head, kind):
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), random_state_kept(model):
             logits = logits_of(_probe_call(model, type(unwrap(model)).__name__, **inputs))
             if len(seen) != 1:
                 raise ValueError(f"rdrop_fused_linear: {type(unwrap(model)).__name__} called "
@@ -251,3 +312,21 @@ def _check_head_is_linear(model, head, kind):
             f"embedding applied to the hidden states it receives (relative difference "
             f"{difference:.2g}): the head does something the fused path does not reproduce "
             "(a scale or a cap after the projection, say); leave rdrop_fused_linear False")
+
+
+def _configs(config):
+    """``config`` and every configuration nested in it (a multimodal model's text config,
+    its ``get_text_config()``, an encoder-decoder's encoder and decoder), each once, with
+    where it is (", in its text_config") for a message."""
+    found, todo = [], [("", config)]
+    while todo:
+        where, config = todo.pop(0)
+        if config is None or any(config is seen for _, seen in found):
+            continue
+        found.append((where, config))
+        nested = [(f", in its {key}", value) for key, value in vars(config).items()
+                  if isinstance(value, PretrainedConfig)]
+        if hasattr(config, "get_text_config"):
+            nested.append((", in its text config", config.get_text_config()))
+        todo += nested
+    return found

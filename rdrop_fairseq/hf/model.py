@@ -20,10 +20,17 @@ KINDS = ("causal", "seq2seq", "encoder")
 
 
 def unwrap(model):
-    """The model itself: inside a DataParallel / DDP wrapper, under a PEFT adapter."""
-    model = getattr(model, "module", model)
+    """The model itself: inside torch.compile's wrapper (``OptimizedModule``), a
+    DataParallel / DDP wrapper, in any order, and under a PEFT adapter."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)  # torch.compile's
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(model, "module", None)  # DataParallel's, DDP's
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
     get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
-    return get_base() if callable(get_base) else model
+    return unwrap(get_base()) if callable(get_base) else model
 
 
 def is_task(model, task):

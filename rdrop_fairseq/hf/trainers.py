@@ -16,7 +16,7 @@ from transformers import Seq2SeqTrainer, Trainer
 
 from ..core import RDropBatchError
 from ..options import check_impl, has_dropout, non_negative
-from .kind import model_kind
+from .kind import kinds_read_from_loss, model_kind
 from .loss import labelled_items, rdrop_hf_loss
 from .model import KINDS, unwrap
 
@@ -157,6 +157,7 @@ class RDropMixin:
         super().__init__(*args, **kwargs)
         # again on the arguments the Trainer made where none were given
         _check_training_arguments(type(self).__name__, self.args)
+        _note_liger(type(self).__name__, self.args, self.rdrop.fused_linear)
         declare_loss_scaling(self, True)
         if self.label_names not in (["labels"], []):
             raise ValueError(f"{type(self).__name__} reads the labels from inputs['labels'], and "
@@ -201,6 +202,23 @@ class RDropMixin:
                 "lora_dropout)", UserWarning, stacklevel=3)
         return kind
 
+    def _rdrop_check_stated_kind(self, model, inputs):
+        """A kind given by hand (``rdrop_model_kind``) against what the model's own loss
+        does with the first training batch: one warning where they contradict."""
+        read = kinds_read_from_loss(model, inputs)
+        if read is None or self._rdrop_kind in read:
+            return
+        stated = (f"{type(self).__name__}: rdrop_model_kind {self._rdrop_kind!r} contradicts "
+                  f"{type(unwrap(model)).__name__}'s own loss on the first training batch")
+        if read:
+            says = (f"which lines its logits up with the labels as kind "
+                    f"{' or '.join(map(repr, read))}: R-Drop would train on misaligned "
+                    "labels. Pass that kind, or 'auto'")
+        else:
+            says = ("which is neither the shifted nor the unshifted cross-entropy of its "
+                    "logits: R-Drop's loss is not what the model computes")
+        warnings.warn(f"{stated}, {says}", UserWarning, stacklevel=3)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """R-Drop's loss in training; the model's own loss (one pass) in evaluation."""
         if not model.training:
@@ -225,6 +243,8 @@ class RDropMixin:
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 # the count is over all processes (get_batch_samples); DDP averages gradients
                 world_size = self.args.world_size
+        if not self._first_batch_checked and self.rdrop.model_kind != "auto":
+            self._rdrop_check_stated_kind(model, inputs)
         result = rdrop_hf_loss(
             model, inputs, kind=self._rdrop_kind, alpha=self.rdrop.alpha,
             label_smoothing=self._rdrop_smoothing, num_items_in_batch=num_items_in_batch,
@@ -302,6 +322,22 @@ def _check_training_arguments(name, args):
     """The TrainingArguments (or TRL config) checks: where it trains, TRL's loss type."""
     check_parallelism(name, args)
     check_trl_loss(name, args)
+
+
+def _note_liger(name, args, fused_linear):
+    """``use_liger_kernel``: the Trainer patches the model in train() (Liger's RoPE, RMSNorm,
+    SwiGLU kernels, and a forward whose fused linear cross-entropy needs the labels). R-Drop
+    calls the model without labels and computes its own loss, so Liger's fused
+    cross-entropy does not run in training: say so where the logits path makes the logits
+    that the user asked Liger to avoid."""
+    config = getattr(args, "liger_kernel_config", None) or {}
+    if (getattr(args, "use_liger_kernel", False) and not fused_linear
+            and config.get("fused_linear_cross_entropy", True)):
+        warnings.warn(f"{name}: use_liger_kernel: R-Drop's loss replaces Liger's fused linear "
+                      "cross-entropy in training, so the 2N x V logits are made (Liger's "
+                      "other kernels apply); rdrop_fused_linear=True computes R-Drop's loss "
+                      "from the hidden states instead, without them", UserWarning,
+                      stacklevel=3)
 
 
 def check_parallelism(name, args):
