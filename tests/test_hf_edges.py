@@ -16,8 +16,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 transformers = pytest.importorskip("transformers")
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
-                          LlamaForCausalLM, PretrainedConfig, TrainingArguments)
+from transformers import (LlamaConfig, LlamaForCausalLM, PretrainedConfig,  # noqa: E402
+                          TrainingArguments)
 
 from rdrop_fairseq import hf  # noqa: E402
 from rdrop_fairseq.hf import RDropTrainer  # noqa: E402
