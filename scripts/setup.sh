@@ -44,6 +44,9 @@ import peft, trl  # (datasets, which trl imports, would log at DEBUG then)
 import fairseq, numpy, torch, rdrop_fairseq
 import pyarrow, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
 import tensorboardX, tokenizers, triton, xdist
+# Liger-Kernel for its test (the test extra): looked up, not imported (3 s)
+if importlib.util.find_spec("liger_kernel") is None:
+    sys.exit("[setup] liger-kernel is not installed")
 # fairseq imports DeepSpeed wherever it is installed (fairseq/optim/cpu_adam.py): 2-3 s in
 # every fairseq process; the tests' DeepSpeed lies in a folder of its own (below)
 if importlib.util.find_spec("deepspeed") is not None:
