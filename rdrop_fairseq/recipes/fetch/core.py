@@ -67,10 +67,10 @@ def _host(url):
 # ------------------------------------------------------------------------ one copy
 
 
-def _settle(file, path, expected, source):
+def _settle(file, path, expected):
     """The complete download ``path`` verified against ``expected`` and moved under the
     final name, or kept as ``.bad``: None, or why it is not the file."""
-    problem = verify(path, expected, file.size, source, file.out.name)
+    problem = verify(path, expected, file.size, file.out.name)
     os.replace(path, file.bad if problem else file.out)
     http.restart(file.partial)
     if problem:
@@ -86,7 +86,7 @@ def _from_cache(file, cached):
     by the SHA-256 its blob is named by: None, or why it is not the file."""
     say(f"{file.out.name}: from {cached}")
     shutil.copyfile(cached, file.partial)
-    return _settle(file, file.partial, file.expected or cached_digest(cached), cached)
+    return _settle(file, file.partial, file.expected or cached_digest(cached))
 
 
 def _from_url(file, url, retries):
@@ -113,7 +113,7 @@ def _from_url(file, url, retries):
             continue
         # without a public record, a hub file is checked against the hub's own SHA-256
         return _settle(file, file.partial, file.expected or (
-            published(chain) if file.hub else None), url)
+            published(chain) if file.hub else None))
     return failure
 
 
