@@ -3,20 +3,21 @@ download is a whole archive of the kind its name says, ``unpack()`` extracts one
 folder. Each way an archive can fail is an exception whose message says what is wrong
 with the archive, never which file it is: the caller names the file and its source in a
 sentence of its own. Unreadable (cut, a bad CRC, not the kind its name says), UnsafeMember
-(a zip member whose path leaves the folder). An OSError that says the disk is full, over
-quota or read-only passes as it is: the archive is not at fault."""
+(a member whose path is absolute or leaves the folder). An OSError that says the disk is
+full, over quota or read-only passes as it is: the archive is not at fault."""
 
 import os
 import shutil
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path
 
 from .base import CHUNK, WRITE_ERRORS
 
 # what the standard library raises for an archive that is not whole or not an archive
-# (gzip's BadGzipFile, "CRC check failed", is an OSError)
-_BROKEN = (tarfile.TarError, zipfile.BadZipFile, EOFError, ValueError, OSError)
+# (gzip's BadGzipFile, "CRC check failed", is an OSError; zlib.error, a corrupt stream)
+_BROKEN = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError)
 
 
 class Unreadable(Exception):
@@ -32,10 +33,27 @@ class UnsafeMember(Exception):
 
 
 def _reason(e):
-    """Unreadable for what the standard library raised; a write error as it is."""
+    """Unreadable for what the standard library raised, in one line; a write error as it
+    is."""
     if isinstance(e, OSError) and e.errno in WRITE_ERRORS:
         return e
-    return Unreadable(str(e))
+    return Unreadable(" ".join(str(e).split()))
+
+
+def _open_tar(path):
+    try:
+        return tarfile.open(path)
+    except tarfile.ReadError:  # tarfile lists each compression it tried, on lines of its own
+        raise Unreadable("not a tar archive (plain, gzip, bz2 or xz), or cut before its "
+                         "first member") from None
+
+
+def _safe(name):
+    """``name`` as a relative path inside the folder, or UnsafeMember."""
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise UnsafeMember(name)
+    return rel
 
 
 def _to_the_end(tar):
@@ -46,7 +64,7 @@ def _to_the_end(tar):
 
 
 def _read_tar(path):
-    with tarfile.open(path) as tar:
+    with _open_tar(path) as tar:
         for member in tar:
             if member.isfile():
                 with tar.extractfile(member) as f:
@@ -82,7 +100,7 @@ def read_whole(path, name=None):
         return
     try:
         reader(path)
-    except _BROKEN as e:
+    except (*_BROKEN, ValueError) as e:
         raise _reason(e) from None
 
 
@@ -103,30 +121,31 @@ def _unzip(archive, into):
         for info in zf.infolist():
             if info.is_dir():
                 continue
-            rel = Path(info.filename[len(top):])
-            if rel.is_absolute() or ".." in rel.parts:
-                raise UnsafeMember(info.filename)
+            _safe(info.filename)  # as the archive names it, then below the top folder
+            rel = _safe(info.filename[len(top):])
             (into / rel).parent.mkdir(parents=True, exist_ok=True)
             with zf.open(info) as src, open(into / rel, "wb") as dst:
                 shutil.copyfileobj(src, dst, CHUNK)
 
 
 def _untar(archive, into):
-    with tarfile.open(archive) as tar:
+    with _open_tar(archive) as tar:
         members = [m for m in tar.getmembers() if m.isfile()]
         top = common_top([m.name for m in members])
         for m in members:
-            m.name = m.name[len(top):]
-        tar.extractall(into, members=members, filter="data")
+            _safe(m.name)  # as the archive names it, then below the top folder
+            m.name = str(_safe(m.name[len(top):]))
+        tar.extractall(into, members=members, filter="data")  # its checks too
         _to_the_end(tar)
 
 
 def unpack(archive, into):
     """The files of the archive ``archive`` (a zip, else a tarball) into the folder ``into``,
-    without their common top folder (``roberta.base/``, ``RTE/``). Unreadable if it is cut,
-    corrupt or refused by tarfile's ``data`` filter; UnsafeMember for a zip member that
-    would land outside ``into``."""
+    without their common top folder (``roberta.base/``, ``RTE/``); links and other
+    members that are no regular file are left out. Unreadable if it is cut, corrupt or
+    refused by tarfile's ``data`` filter; UnsafeMember for a member whose path is absolute
+    or climbs out (``..``)."""
     try:
         (_unzip if zipfile.is_zipfile(archive) else _untar)(archive, into)
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as e:
+    except _BROKEN as e:
         raise _reason(e) from None

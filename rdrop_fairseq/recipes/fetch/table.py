@@ -39,7 +39,7 @@ def load_sources(path=None):
     path = Path(path or os.environ.get("RDROP_SOURCES") or TABLE)
     try:
         table = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise FetchError(f"cannot read the source table {path}: {e}") from None
     if not isinstance(table, dict):
         raise FetchError(f"{path}: the table must be a JSON object of sources by name, not "
