@@ -34,11 +34,10 @@ import re
 import subprocess
 import sys
 import os
-import tarfile
-import zipfile
 from pathlib import Path
 
 from . import fetch as downloader
+from .fetch.archive import Unreadable, UnsafeMember, unpack
 from .common import ArgumentParser, made_or_removed
 
 _MARKUP = ("<url>", "<talkid>", "<keywords>")
@@ -86,15 +85,13 @@ def test_files(root, pair, lang):
 def extract(archive, src, tgt, raw):
     pair = f"{src}-{tgt}" if Path(archive).name.startswith(f"{src}-{tgt}") else f"{tgt}-{src}"
     work = raw.parent / "orig"
-    if zipfile.is_zipfile(archive):  # the Hugging Face hub's copy (IWSLT17): same layout
-        with zipfile.ZipFile(archive) as zf:
-            bad = [n for n in zf.namelist() if n.startswith("/") or ".." in n.split("/")]
-            if bad:
-                sys.exit(f"error: {archive} holds an unsafe path {bad[0]!r}")
-            zf.extractall(work)
-    else:
-        with tarfile.open(archive) as tar:
-            tar.extractall(work, filter="data")
+    try:  # a tgz, or the Hugging Face hub's zip (IWSLT17): the same layout
+        unpack(archive, work)
+    except UnsafeMember as e:
+        sys.exit(f"error: {archive} holds an unsafe path {e.member!r}")
+    except Unreadable as e:
+        sys.exit(f"error: {archive} cannot be extracted ({e}): fetch it again, or give "
+                 "another --archive")
     raw.mkdir(parents=True, exist_ok=True)
     for lang in (src, tgt):
         train = list(work.rglob(f"train.tags.{pair}.{lang}"))

@@ -26,8 +26,16 @@ SHA-256 of its first download is written to ``FILE.sha256`` and checked on later
 How a file is fetched (requests and urllib3, the hub's files too):
 
 * with a User-Agent of its own, through the proxy that ``http_proxy`` / ``https_proxy``
-  name, except for the hosts of ``no_proxy``; as served (a ``.tar.gz`` sent with
-  ``Content-Encoding: gzip`` is not unpacked);
+  name, except for the hosts of ``no_proxy``, asking for the file uncompressed
+  (``Accept-Encoding: identity``);
+* compression a server applies anyway (``Content-Encoding`` gzip, x-gzip or deflate) is
+  decoded on the way, so that FILE is the file; a cut decoded download starts again from
+  zero (the server's ranges count compressed bytes). Where FILE's name says it is
+  compressed that way itself (``.gz``, ``.tgz``), the body is kept as served (a
+  ``.tar.gz`` sent with ``Content-Encoding: gzip`` is not unpacked), and its checksum,
+  its size, or reading the tarball through, tells a second compression from the file; a
+  ``.gz`` that nothing checks, and a coding not decoded here (br, zstd, several), are
+  refused;
 * one connection pool (a requests Session) for the run, closed at its end;
 * each try waits ``RDROP_FETCH_CONNECT_TIMEOUT`` seconds (default 10) to connect and
   ``RDROP_FETCH_READ_TIMEOUT`` (default 30; ``--timeout``) for data; 5xx and 429 answers,
@@ -35,11 +43,14 @@ How a file is fetched (requests and urllib3, the hub's files too):
   back-off, ``--retries`` tries in all, then the next URL; a 429's or 503's
   ``Retry-After`` is waited for up to ``RDROP_FETCH_MAX_RETRY_AFTER`` seconds (default
   120; a wait over 3 s is said), and a longer one moves on, saying when the server asked
-  to be tried again;
+  to be tried again (one that is neither seconds nor a date is said, and the usual
+  back-off taken);
 * into ``FILE.partial``, resumed with a Range request and ``If-Range`` (the partial file's
   ETag or Last-Modified; a hub file, at a commit, without): a file that changed meanwhile
-  is fetched afresh, never spliced. Without a validator, only a file with a checksum to
-  check the result resumes; another starts afresh. A download cut after some bytes, or
+  is fetched afresh, never spliced, and so is one whose server answers with a 206 that
+  does not carry the ETag or Last-Modified asked for. Without a validator, only a file
+  with a checksum to check the result resumes; another starts afresh. An answer that is
+  refused leaves the partial file as it was. A download cut after some bytes, or
   an answer shorter than its Content-Range or Content-Length promised, resumes at once;
   Ctrl-C, a full disk or quota and a read-only file system keep the partial file for the
   next run;
@@ -48,7 +59,15 @@ How a file is fetched (requests and urllib3, the hub's files too):
   reached, its hosts are not waited for again in the run: without network the error names
   every missing file, where it comes from and how to fetch it by hand, as ``OFFLINE=1``
   does, within seconds;
-* an HTML page where a file was expected is refused (a login or quota page served with 200);
+* an HTML page where a file was expected is refused (a login or quota page served with
+  200): ``text/html`` or ``application/xhtml+xml`` in any case, or a body that begins
+  ``<!DOCTYPE html`` or ``<html``, after a byte-order mark, an ``<?xml ...?>``
+  declaration or ``<!-- comments -->``;
+* a pinned size is compared with the size the answer announces, before its body;
+* an ``--out`` that is there and is no regular file (a FIFO, a device such as
+  ``/dev/null``) is refused before anything is written, and so is one beside which the
+  lock file cannot be made; credentials in a URL (``user:password@``) are shown as
+  ``***@`` in every message;
 * a FILE already there and verified is not fetched again; two runs fetching one file, or
   making one DEST, take turns (a lock file ``.NAME.lock`` beside it).
 

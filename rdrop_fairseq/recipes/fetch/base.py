@@ -5,6 +5,8 @@ import contextlib
 import errno
 import math
 import os
+import re
+import stat
 import sys
 from pathlib import Path
 
@@ -18,13 +20,23 @@ WRITE_ERRORS = {errno.ENOSPC: ("the disk is full", "free space"),
                 errno.EROFS: ("the file system is read-only", "make it writable")}
 
 
+# the user:password@ of a URL, shown as ***@ in every message
+_CREDENTIALS = re.compile(r"(?<=://)[^/?#\s@]+@")
+
+
+def mask(text):
+    """``text`` with the credentials of every URL in it masked (``https://***@host/...``)."""
+    return _CREDENTIALS.sub("***@", str(text))
+
+
 class FetchError(Exception):
     """A file that could not be fetched or verified; the message says why and what to do.
-    ``missing``: where a missing file comes from and how to fetch it by hand (offline)."""
+    ``missing``: where a missing file comes from and how to fetch it by hand (offline).
+    URLs' credentials are masked in both."""
 
     def __init__(self, text, missing=None):
-        super().__init__(text)
-        self.missing = missing
+        super().__init__(mask(text))
+        self.missing = None if missing is None else mask(missing)
 
 
 class NoNetwork(FetchError):
@@ -36,11 +48,14 @@ class Offline(FetchError):
 
 
 class BadInput(ValueError):
-    """An argument refused before anything is fetched."""
+    """An argument refused before anything is fetched (URLs' credentials masked)."""
+
+    def __init__(self, text):
+        super().__init__(mask(text))
 
 
 def say(message):
-    print(f"[fetch] {message}", file=sys.stderr, flush=True)
+    print(f"[fetch] {mask(message)}", file=sys.stderr, flush=True)
 
 
 def human(n):
@@ -73,6 +88,21 @@ def is_hex(value, digits):
     return len(value) == digits and all(c in "0123456789abcdef" for c in value)
 
 
+# what an --out is, when it is there and no regular file
+SPECIAL = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def not_a_file(path):
+    """What ``path`` is where it is there and is neither a regular file nor a folder (a
+    FIFO, a device such as /dev/null, a socket), else None: a download must not replace it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return next((what for test, what in SPECIAL if test(mode)), None)
+
+
 def size_of(path):
     return path.stat().st_size if path.exists() else 0
 
@@ -91,14 +121,19 @@ def write_error(e, where):
 
 
 def locked(path):
-    """The lock ``.NAME.lock`` beside ``path`` (filelock), held: two runs take turns."""
-    lock = FileLock(str(path.with_name(f".{path.name}.lock")))
+    """The lock ``.NAME.lock`` beside ``path`` (filelock), held: two runs take turns.
+    BadInput where the lock file cannot be made (a folder without write rights, a
+    read-only file system, /proc): filelock would take that for a lock held elsewhere."""
+    name = path.with_name(f".{path.name}.lock")
     try:
-        return lock.acquire(timeout=0)
-    except Timeout:
-        say(f"waiting for another run fetching or making {path}")
-        return lock.acquire()
-    except OSError as e:  # a folder without write rights, a read-only file system
+        os.close(os.open(name, os.O_RDWR | os.O_CREAT, 0o644))
+        lock = FileLock(str(name))
+        try:
+            return lock.acquire(timeout=0)
+        except Timeout:
+            say(f"waiting for another run fetching or making {path}")
+            return lock.acquire()
+    except OSError as e:
         raise BadInput(write_error(OSError(e.errno, e.strerror), path.parent)) from None
 
 

@@ -16,7 +16,7 @@ from urllib3.exceptions import NameResolutionError
 from ..common import dry_run
 from . import http
 from .base import BadInput, FetchError, NoNetwork, Offline, human, locked, make_folder, \
-    offline, positive, remove_made, say, seconds, size_of
+    mask, not_a_file, offline, positive, remove_made, say, seconds, size_of
 from .table import hub_of, hub_url, load_sources, make
 from .verify import cached_digest, check_digest, checksum_of, file_digest, published, \
     record_first_seen, recorded, verify
@@ -67,10 +67,10 @@ def _host(url):
 # ------------------------------------------------------------------------ one copy
 
 
-def _settle(file, path, expected, source):
+def _settle(file, path, expected):
     """The complete download ``path`` verified against ``expected`` and moved under the
     final name, or kept as ``.bad``: None, or why it is not the file."""
-    problem = verify(path, expected, file.size, source, file.out.name)
+    problem = verify(path, expected, file.size, file.out.name)
     os.replace(path, file.bad if problem else file.out)
     http.restart(file.partial)
     if problem:
@@ -86,7 +86,7 @@ def _from_cache(file, cached):
     by the SHA-256 its blob is named by: None, or why it is not the file."""
     say(f"{file.out.name}: from {cached}")
     shutil.copyfile(cached, file.partial)
-    return _settle(file, file.partial, file.expected or cached_digest(cached), cached)
+    return _settle(file, file.partial, file.expected or cached_digest(cached))
 
 
 def _from_url(file, url, retries):
@@ -102,7 +102,7 @@ def _from_url(file, url, retries):
                                        "run)", _host(url))
             check = "digest" if file.expected else "size" if file.size else None
             chain = http.download(url, file.partial, file.out.name, retries, file.timeouts,
-                                  check, pinned=bool(file.hub))
+                                  check, pinned=bool(file.hub), size=file.size)
         except http.Failed as e:
             say(f"{file.out.name}: {e}")
             if isinstance(e, http.Unreachable):  # not waited for again in this run
@@ -113,7 +113,7 @@ def _from_url(file, url, retries):
             continue
         # without a public record, a hub file is checked against the hub's own SHA-256
         return _settle(file, file.partial, file.expected or (
-            published(chain) if file.hub else None), url)
+            published(chain) if file.hub else None))
     return failure
 
 
@@ -148,6 +148,9 @@ def _checked(urls, out, given, retries, timeout):
             raise BadInput(f"{url!r} is not an http(s) URL")
     if out.is_dir():
         raise BadInput(f"{out} is a folder: give the file to write (--out FILE)")
+    if not_a_file(out):  # a FIFO, /dev/null: a download would replace it
+        raise BadInput(f"{out} is {not_a_file(out)}, not a regular file: give the file to "
+                       "write (--out FILE)")
     for parent in out.parents:
         if parent.exists() and not parent.is_dir():
             raise BadInput(f"{parent} is a file, not a folder")
@@ -244,7 +247,8 @@ def _fetched(file, record):
 def _print_dry_run(urls, out):
     mirrors = f" (mirrors: {' '.join(urls[1:])})" if len(urls) > 1 else ""
     there = " (there already)" if out.is_file() else ""
-    print(f"++ fetch {urls[0] if urls else '(no URL)'} -> {out}{there}{mirrors}", flush=True)
+    print(mask(f"++ fetch {urls[0] if urls else '(no URL)'} -> {out}{there}{mirrors}"),
+          flush=True)
     return out
 
 

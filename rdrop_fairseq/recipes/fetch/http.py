@@ -1,11 +1,14 @@
 """The downloader's HTTP layer: one requests Session for the run, ``download()`` of one URL
-into a partial file (resumed where that cannot splice two versions of a file), and the
-progress bar. Each way a URL can fail to serve the file is an exception: Cut (after some
-bytes: resume at once), Refused (an answer that is not the file), Unreachable (no
-connection), Failed (the rest)."""
+into a partial file (resumed where that cannot splice two versions of a file, decoded
+where the server compressed what it was asked to send as is), and the progress bar. Each
+way a URL can fail to serve the file is an exception: Cut (after some bytes: resume at
+once), Refused (an answer that is not the file), Unreachable (no connection), Failed (the
+rest)."""
 
 import atexit
+import codecs
 import inspect
+import itertools
 import socket
 import sys
 import time
@@ -14,7 +17,8 @@ import urllib.parse
 import requests
 import urllib3
 from tqdm import tqdm
-from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, ProxyError
+from urllib3.exceptions import ConnectTimeoutError, InvalidHeader, MaxRetryError, \
+    NewConnectionError, ProxyError
 from urllib3.util.retry import Retry
 
 from .base import CHUNK, WRITE_ERRORS, FetchError, human, say, seconds, size_of
@@ -34,7 +38,8 @@ class Cut(Failed):
 
 class Refused(Failed):
     """An answer that is not the file: an error status, an HTML page, a body without a length
-    that nothing would check, a Retry-After longer than we wait."""
+    that nothing would check, a size other than the pinned one, a compression that cannot
+    be told from the file's own or is not decoded here, a Retry-After longer than we wait."""
 
 
 class Unreachable(Failed):
@@ -70,6 +75,16 @@ class _Retry(Retry):
             raise MaxRetryError(kwargs.get("_pool"), url, error)
         return super().increment(method, url, *args, error=error, **kwargs)
 
+    def get_retry_after(self, response):
+        """The Retry-After in seconds; None (the usual back-off) for one that is neither a
+        number of seconds nor a date, which is said."""
+        try:
+            return super().get_retry_after(response)
+        except InvalidHeader:
+            say(f"the server's Retry-After {response.headers.get('Retry-After')!r} is neither "
+                "a number of seconds nor a date: waiting as without one")
+            return None
+
     def sleep(self, response=None):
         after = self.get_retry_after(response) if response is not None else None
         if after and after > seconds("RDROP_FETCH_MAX_RETRY_AFTER", RETRY_AFTER_MAX):
@@ -78,7 +93,8 @@ class _Retry(Retry):
         if wait > ANNOUNCE:
             say(f"waiting {wait:.0f} s before trying again"
                 + (" (the server's Retry-After)" if after else ""))
-        super().sleep(response)
+        if wait > 0:
+            time.sleep(wait)
 
 
 def retry(tries, backoff, lookups=True):
@@ -140,6 +156,15 @@ def _open(url, retries, timeouts, **kwargs):
 
 # ------------------------------------------------------------------------ one URL
 
+# what _plan() answers besides the byte an answer's body begins at
+WHOLE, AGAIN = "the partial file is whole", "ask for the whole file"
+# a content-coding that names the file's own compression (servers label a .gz so): the
+# body is the file, kept as served
+OWN_CODING = {"gzip": (".gz", ".tgz"), "x-gzip": (".gz", ".tgz"), "compress": (".z",),
+              "x-compress": (".z",), "br": (".br",), "zstd": (".zst",)}
+DECODED = ("gzip", "x-gzip", "deflate")  # the codings decoded on the way
+PAGE_TYPES = ("text/html", "application/xhtml+xml")
+
 
 def _validator(partial):
     return partial.with_name(partial.name + ".validator")
@@ -163,20 +188,56 @@ def _resume_point(partial, name, check, pinned):
     if check != "digest":
         say(f"{name}: no ETag or Last-Modified to resume {human(have)} against and no checksum "
             "to check the result: starting afresh")
-        restart(partial)
         return 0, None
     return have, None
 
 
-def _afresh(partial, resp, name, have):
-    """A whole answer: ``partial`` starts again, with this answer's validator."""
-    if have:
-        say(f"{name}: the file changed, or the server ignores Range: starting afresh")
-    restart(partial)
-    etag = resp.headers.get("ETag", "W/")  # a weak ETag is not for If-Range
-    if etag[:2] != "W/" or "Last-Modified" in resp.headers:
-        _validator(partial).write_text(etag if etag[:2] != "W/" else resp.headers["Last-Modified"])
-    return 0
+def _coding(resp, name, check):
+    """The content-coding to decode the body with, or None: kept as served (no coding, or
+    one that names the file's own compression, which the checksum, or reading the tarball
+    through, tells from a second compression). Refused for a coding not decoded here, and
+    for a file's own compression that nothing will check."""
+    coding = resp.headers.get("Content-Encoding", "").strip().lower()
+    if coding in ("", "identity"):
+        return None
+    if name.lower().endswith(OWN_CODING.get(coding, ())):
+        if check is None and not name.lower().endswith((".tar.gz", ".tgz")):
+            raise Refused(f"Content-Encoding: {coding} on a file compressed that way itself, "
+                          "with no checksum or size to check it: cannot tell whether the "
+                          "server compressed it again; give its checksum")
+        return None
+    if coding not in DECODED:
+        raise Refused(f"compressed on the way (Content-Encoding: {coding}), which is not "
+                      f"decoded here: only {', '.join(DECODED)}")
+    return coding
+
+
+def _plan(resp, name, have, sent, check):
+    """How an answer is used: ``(start, coding)``, the byte of the file its body begins at
+    (``have``: a resume; 0: the whole file) and the content-coding decoded on the way (None:
+    as served); or WHOLE (``partial`` is the whole file already: a run killed after it) or
+    AGAIN. A 206 is a resume only where it answers the range asked for, carries the
+    validator sent in If-Range, and is not compressed on the way (its ranges would count
+    compressed bytes). Refused for an error status and what cannot be the file."""
+    rng = resp.headers.get("Content-Range", "")
+    if have and resp.status_code in (206, 416) and not rng.startswith(f"bytes {have}-"):
+        return (WHOLE if rng.endswith(f"/{have}") else AGAIN), None  # another range
+    if resp.status_code >= 400:
+        raise Refused(f"{resp.status_code} {resp.reason}")
+    coding = _coding(resp, name, check)
+    if resp.status_code != 206 or not have:
+        if have:
+            say(f"{name}: the file changed, or the server ignores Range: starting afresh")
+        return 0, coding
+    if sent and sent not in (resp.headers.get("ETag"), resp.headers.get("Last-Modified")):
+        say(f"{name}: the server's 206 does not carry the {sent} asked for (it ignores "
+            "If-Range: the file may have changed): asking for the whole file")
+        return AGAIN, None
+    if coding:
+        say(f"{name}: the server compresses its answer (Content-Encoding: {coding}), and its "
+            "ranges count compressed bytes: asking for the whole file")
+        return AGAIN, None
+    return have, None
 
 
 def _total(resp, have):
@@ -189,64 +250,115 @@ def _total(resp, have):
     return have + int(length) if length.isdigit() else None
 
 
-def download(url, partial, name, retries, timeouts, check=None, pinned=False):
+def _announced(resp, start, coding, check, size):
+    """The file's size as the answer announces it (None: it does not, or its length counts
+    compressed bytes). Refused where it is not the pinned ``size``, and where nothing would
+    tell the whole body from a cut one."""
+    total = _total(resp, start)
+    if total is None and check is None and "chunked" not in resp.headers.get(
+            "Transfer-Encoding", ""):
+        raise Refused("no Content-Length, and no checksum to tell the whole file from a "
+                      "cut one")
+    if coding:
+        return None
+    if size is not None and total is not None and total != size:
+        raise Refused(f"the server announces {total} bytes, not the {size} pinned: another "
+                      "file")
+    return total
+
+
+def download(url, partial, name, retries, timeouts, check=None, pinned=False, size=None):
     """``url`` into ``partial``, resumed with Range and If-Range (the ETag or Last-Modified
-    of its first answer; see _resume_point): a file that changed meanwhile, or a server that
-    ignores Range, sends the whole file, which starts afresh. Returns the headers of every
+    of the answer that began it; see _resume_point and _plan): a file that changed
+    meanwhile, a server that ignores Range or If-Range, or one that compresses its answers,
+    gets the whole file asked for. ``partial`` is replaced only by an answer whose first
+    block passed (a refused answer leaves it as it was). Returns the headers of every
     answer (redirects first); raises Failed and its kinds. ``check``: what will check the
     file, "digest", "size" or None (then a body whose end cannot be told from a cut is
-    refused); ``pinned``: it cannot change."""
-    have, if_range = _resume_point(partial, name, check, pinned)
-    headers = {"Range": f"bytes={have}-", "If-Range": if_range} if have else {}
-    with _open(url, retries, timeouts, headers=headers, stream=True) as resp:
-        chain = [r.headers for r in (*resp.history, resp)]
-        rng = resp.headers.get("Content-Range", "")
-        if have and resp.status_code in (206, 416) and not rng.startswith(f"bytes {have}-"):
-            if rng.endswith(f"/{have}"):
-                return chain  # whole already (a run killed after it)
-            restart(partial)  # another range: afresh
-            return download(url, partial, name, retries, timeouts, check, pinned)
-        if resp.status_code >= 400:
-            raise Refused(f"{resp.status_code} {resp.reason}")
-        if resp.status_code != 206:
-            have = _afresh(partial, resp, name, have)
-        total = _total(resp, have)
-        if total is None and check is None and "chunked" not in resp.headers.get(
-                "Transfer-Encoding", ""):
-            raise Refused("no Content-Length, and no checksum to tell the whole file from a "
-                          "cut one")
-        got = _receive(resp, partial, name, total, have)
-    if total is not None and got < total:  # a short answer (a proxy's cut) is a cut
-        raise Cut(f"cut at {human(got)} of {human(total)} (the answer ended early)")
-    return chain
+    refused); ``pinned``: it cannot change; ``size``: its pinned size, compared with the
+    answer's before the body is read."""
+    have, sent = _resume_point(partial, name, check, pinned)
+    while True:
+        headers = {"Range": f"bytes={have}-", "If-Range": sent} if have else {}
+        with _open(url, retries, timeouts, headers=headers, stream=True) as resp:
+            chain = [r.headers for r in (*resp.history, resp)]
+            start, coding = _plan(resp, name, have, sent, check)
+            if start == AGAIN:
+                have, sent = 0, None
+                continue
+            if start == WHOLE:
+                return chain
+            total = _announced(resp, start, coding, check, size)
+            got = _receive(resp, partial, name, total, start, coding)
+        if total is not None and got < total:  # a short answer (a proxy's cut) is a cut
+            raise Cut(f"cut at {human(got)} of {human(total)} (the answer ended early)")
+        return chain
 
 
-def _is_html(resp, name):
-    """A test of a body's first block for an HTML page (a login or quota page served with
-    200) where a file, not a page, is expected."""
-    if name.endswith((".html", ".htm")):
+# ------------------------------------------------------------------------ the body
+
+
+def _is_html(resp, name, start):
+    """A test of an answer's first block for an HTML page (a portal's login or quota page
+    served with 200) where a file, not a page, is expected: by its Content-Type (in any
+    case), and for an answer that begins the file, by how the block begins."""
+    if name.lower().endswith((".html", ".htm", ".xhtml")):
         return lambda block: False
-    if resp.headers.get("Content-Type", "").startswith("text/html"):
+    if resp.headers.get("Content-Type", "").partition(";")[0].strip().lower() in PAGE_TYPES:
         return lambda block: True
-    return lambda block: block.lstrip()[:15].lower().startswith((b"<!doctype html", b"<html"))
+    return _begins_html if start == 0 else (lambda block: False)
 
 
-def _receive(resp, partial, name, total, have):
-    """The body into ``partial``, as served (a .tar.gz sent with Content-Encoding: gzip
-    stays gzipped); returns the size of ``partial`` after."""
-    html = _is_html(resp, name)
-    # unbuffered: what write() returned is on disk (a full disk loses nothing)
-    with open(partial, "ab", buffering=0) as f, _bar(name, total, have) as bar:
+def _begins_html(block):
+    """Whether ``block`` begins an HTML page: ``<!DOCTYPE html`` or ``<html``, after a UTF-8
+    byte-order mark, white space, an XML declaration and comments."""
+    head = block.removeprefix(codecs.BOM_UTF8).lstrip()
+    while head.startswith((b"<?xml", b"<!--")):
+        head = head.partition(b"?>" if head.startswith(b"<?") else b"-->")[2].lstrip()
+    return head[:14].lower().startswith((b"<!doctype html", b"<html"))
+
+
+def _begin(partial, resp):
+    """``partial`` emptied for an answer that begins the file, and that answer's validator
+    kept for a later resume's If-Range: its ETag (a weak one is not for If-Range), else
+    its Last-Modified."""
+    restart(partial)
+    etag = resp.headers.get("ETag", "W/")
+    if etag[:2] != "W/" or "Last-Modified" in resp.headers:
+        _validator(partial).write_text(etag if etag[:2] != "W/" else resp.headers["Last-Modified"])
+
+
+def _why(e):
+    """urllib3's reason in words: a ProtocolError's message, not the tuple of its args."""
+    return e.args[0] if len(e.args) > 1 and isinstance(e.args[0], str) else e
+
+
+def _receive(resp, partial, name, total, start, coding):
+    """The body into ``partial`` from byte ``start``, decoded where ``coding`` says, else as
+    served (a .tar.gz sent with Content-Encoding: gzip stays gzipped); an answer that
+    begins the file replaces what ``partial`` held once its first block is no HTML page.
+    Returns the size of ``partial`` after."""
+    html = _is_html(resp, name, start)
+    blocks = iter(lambda: resp.raw.read1(CHUNK, decode_content=bool(coding)), b"")
+    with _bar(name, total, start) as bar:
         try:
-            for block in iter(lambda: resp.raw.read1(CHUNK, decode_content=False), b""):
-                if bar.n == 0 and html(block):
-                    raise Refused("an HTML page, not the file")
-                view = memoryview(block)
-                while view:
-                    view = view[f.write(view):]
-                bar.update(len(block))
+            first = next(blocks, b"")
+            if html(first):
+                raise Refused("an HTML page, not the file")
+            if start == 0:
+                _begin(partial, resp)
+            # unbuffered: what write() returned is on disk (a full disk loses nothing)
+            with open(partial, "ab", buffering=0) as f:
+                for block in itertools.chain([first], blocks):
+                    view = memoryview(block)
+                    while view:
+                        view = view[f.write(view):]
+                    bar.update(len(block))
+        except urllib3.exceptions.DecodeError:
+            raise Refused(f"Content-Encoding: {coding}, but the body is no {coding} data") \
+                from None
         except urllib3.exceptions.HTTPError as e:  # a cut, a stall
-            raise Cut(f"cut after {human(bar.n)} ({e})") from None
+            raise Cut(f"cut after {human(bar.n)} ({_why(e)})") from None
         except OSError as e:
             if e.errno not in WRITE_ERRORS:
                 raise
@@ -266,11 +378,22 @@ class _Log:
         pass
 
 
+class _LogBar(tqdm):
+    """tqdm's bar in a log: its last line said once (tqdm says it again as it closes)."""
+
+    def close(self):
+        if self.last_print_n == self.n:
+            self.leave = False
+        super().close()
+
+
 def _bar(name, total, have):
     """tqdm's bar on a terminal; in a log, a line at every tenth of the file."""
-    log = {} if sys.stderr.isatty() else dict(
-        file=_Log(), mininterval=0, miniters=max((total or 10 ** 9) // 10, 1),
-        bar_format="{desc}: " + ("{percentage:.0f} % ({n_fmt}B of {total_fmt}B, {rate_fmt}, "
-                                 "{remaining} left)" if total else "{n_fmt}B ({rate_fmt})"))
-    return tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1000,
-                desc=name, **{"file": sys.stderr, **log})
+    bar = dict(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1000,
+               desc=name)
+    if sys.stderr.isatty():
+        return tqdm(**bar, file=sys.stderr)
+    return _LogBar(**bar, file=_Log(), mininterval=0, miniters=max((total or 10 ** 9) // 10, 1),
+                   bar_format="{desc}: " + ("{percentage:.0f} % ({n_fmt}B of {total_fmt}B, "
+                                            "{rate_fmt}, {remaining} left)" if total
+                                            else "{n_fmt}B ({rate_fmt})"))

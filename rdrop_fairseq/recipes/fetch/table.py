@@ -1,16 +1,15 @@
 """The source table: loading it and refusing what is not well formed or not pinned, the
-hub's URLs, the makers that turn downloads into a folder, unpacking, and the table as
-docs/data.md prints it."""
+hub's URLs, the makers that turn downloads into a folder (``unpack``: archive.py), and the
+table as docs/data.md prints it."""
 
 import importlib
 import json
 import os
 import shutil
-import tarfile
-import zipfile
 from pathlib import Path
 
-from .base import CHUNK, WRITE_ERRORS, BadInput, FetchError, human, is_hex, locked, \
+from .archive import Unreadable, UnsafeMember, unpack
+from .base import WRITE_ERRORS, BadInput, FetchError, human, is_hex, locked, \
     make_folder, remove_made, say
 from .verify import DIGESTS, check_digest, checksum_of
 
@@ -40,7 +39,7 @@ def load_sources(path=None):
     path = Path(path or os.environ.get("RDROP_SOURCES") or TABLE)
     try:
         table = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise FetchError(f"cannot read the source table {path}: {e}") from None
     if not isinstance(table, dict):
         raise FetchError(f"{path}: the table must be a JSON object of sources by name, not "
@@ -131,7 +130,7 @@ def _maker(kind):
     if kind == "copy":
         return lambda paths, folder: [shutil.copyfile(p, folder / p.name) for p in paths]
     if kind == "unpack":
-        return lambda paths, folder: unpack(paths[0], folder)
+        return lambda paths, folder: _unpack(paths[0], folder)
     module, _, function = kind.partition(":")
     try:
         return getattr(importlib.import_module(module), function)
@@ -184,49 +183,15 @@ def make(kind, paths, dest, entry):
     say(f"{dest} made from {', '.join(p.name for p in paths)}")
 
 
-def _unzip(archive, into):
-    with zipfile.ZipFile(archive) as zf:
-        top = _common_top([n for n in zf.namelist() if not n.endswith("/")])
-        for info in zf.infolist():
-            if info.is_dir():
-                continue
-            rel = Path(info.filename[len(top):])
-            if rel.is_absolute() or ".." in rel.parts:
-                raise FetchError(f"{archive} holds an unsafe path {info.filename!r}")
-            (into / rel).parent.mkdir(parents=True, exist_ok=True)
-            with zf.open(info) as src, open(into / rel, "wb") as dst:
-                shutil.copyfileobj(src, dst, CHUNK)
-
-
-def _untar(archive, into):
-    with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.isfile()]
-        top = _common_top([m.name for m in members])
-        for m in members:
-            m.name = m.name[len(top):]
-        tar.extractall(into, members=members, filter="data")
-        if tar.fileobj is not None:  # gzip checks its CRC at the end only
-            while tar.fileobj.read(CHUNK):
-                pass
-
-
-def unpack(archive, into):
-    """The archive's files into ``into``, without their common top folder (``roberta.base/``,
-    ``RTE/``); a corrupt archive is FetchError naming it."""
+def _unpack(archive, into):
+    """The ``unpack`` maker: the archive's files into ``into`` (archive.unpack); a corrupt or
+    unsafe archive is FetchError naming it."""
     try:
-        (_unzip if zipfile.is_zipfile(archive) else _untar)(archive, into)
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as e:
-        if isinstance(e, OSError) and e.errno in WRITE_ERRORS:
-            raise
+        unpack(archive, into)
+    except UnsafeMember as e:
+        raise FetchError(f"{archive} holds an unsafe path {e.member!r}") from None
+    except Unreadable as e:
         raise FetchError(f"{archive} cannot be extracted: {e}") from None
-
-
-def _common_top(names):
-    """``"top/"`` when every name lies under one top folder, else ``""``."""
-    tops = {n.split("/", 1)[0] for n in names}
-    if len(tops) == 1 and all("/" in n for n in names):
-        return tops.pop() + "/"
-    return ""
 
 
 # ------------------------------------------------------------------------ docs/data.md

@@ -1,14 +1,12 @@
 """How a download is known to be the file: digests, the hub's published SHA-256, a Hugging
-Face cache's blob names, archives read whole, and ``--record``."""
+Face cache's blob names, archives read whole (archive.py), and ``--record``."""
 
-import errno
 import hashlib
 import os
-import tarfile
-import zipfile
 from pathlib import Path
 
-from .base import CHUNK, BadInput, FetchError, is_hex, say
+from .archive import Unreadable, read_whole
+from .base import CHUNK, BadInput, is_hex, say
 
 DIGESTS = {"sha256": 64, "md5": 32, "sha1": 40}
 
@@ -92,48 +90,13 @@ def record_first_seen(out):
         f"(recorded in {record_path(out)}, checked on later runs)")
 
 
-# ------------------------------------------------------------------------ whole files
+# ------------------------------------------------------------------------ the whole file
 
 
-def _read_archive(path, name):
-    """Read an archive to its end (a .tar.gz too: gzip checks its CRC only there)."""
-    if name.endswith(".zip"):
-        with zipfile.ZipFile(path) as zf:
-            bad = zf.testzip()
-        if bad:
-            raise zipfile.BadZipFile(f"a bad CRC in {bad}")
-    elif name.endswith((".tar.gz", ".tgz", ".tar")):
-        with tarfile.open(path) as tar:
-            for member in tar:
-                if member.isfile():
-                    with tar.extractfile(member) as f:
-                        while f.read(CHUNK):
-                            pass
-            if tar.fileobj is not None:
-                while tar.fileobj.read(CHUNK):
-                    pass
-    elif name.endswith(".parquet"):
-        with open(path, "rb") as f:
-            head = f.read(4)
-            f.seek(-4, os.SEEK_END)
-            if head != b"PAR1" or f.read(4) != b"PAR1":
-                raise ValueError("no parquet magic at its start and end")
-
-
-def archive_check(path, source, name=None):
-    """FetchError if the archive ``path`` is corrupt, naming it and ``source``; ``name``
-    (default: the path's) says what kind of file it is. Other files pass."""
-    try:
-        _read_archive(path, name or Path(path).name)
-    except (tarfile.TarError, zipfile.BadZipFile, EOFError, ValueError, OSError) as e:
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise
-        raise FetchError(f"{path} (from {source}) is corrupt: {e}") from None
-
-
-def verify(path, expected, size, source, name):
+def verify(path, expected, size, name):
     """None if the complete download ``path`` is the file, else what is wrong with it.
-    Without a checksum, an archive is read whole (a cut or corrupt one fails)."""
+    Without a checksum, an archive is read whole as the kind ``name`` says (a cut or
+    corrupt one fails)."""
     if size is not None and path.stat().st_size != size:
         return f"{path.stat().st_size} bytes, not {size}"
     if expected is not None:
@@ -141,8 +104,7 @@ def verify(path, expected, size, source, name):
         return None if digest == expected[1] else \
             f"a file with the wrong checksum ({expected[0]} {digest}, not {expected[1]})"
     try:
-        archive_check(path, source, name)
-    except FetchError as e:
-        return "a corrupt archive (" + str(e).replace(f"{path} (from {source}) is corrupt: ",
-                                                      "") + ")"
+        read_whole(path, name)
+    except Unreadable as e:
+        return f"a corrupt archive ({e})"
     return None
