@@ -286,3 +286,19 @@ def test_two_overlapping_fused_calls_from_threads_keep_to_their_own_path():
     assert torch.equal(results["fused"], alone)
     with torch.no_grad():
         assert torch.equal(model(input_ids=batch["input_ids"]).logits, results["plain"])
+
+
+def test_the_options_are_kept_checked_and_alpha_may_change_between_steps(tmp_path):
+    """``trainer.rdrop`` holds the options as checked; ``trainer.rdrop_alpha`` is the KL's
+    weight of the next step (a schedule), refused when it is not a finite number >= 0."""
+    trainer = RDropTrainer(model=causal(), args=arguments(tmp_path), rdrop_alpha="0.5")
+    assert trainer.rdrop == hf.RDropOptions(alpha=0.5, model_kind="auto")
+    batch = {"input_ids": torch.randint(3, 99, (2, 6)), "labels": torch.randint(3, 99, (2, 6))}
+    trainer.model.train()
+    trainer.rdrop_alpha = 0.0
+    both = float(trainer.compute_loss(trainer.model, dict(batch)))
+    with torch.no_grad():
+        own = float(trainer.model(**batch).loss)
+    assert trainer.rdrop.alpha == 0.0 and both == pytest.approx(2 * own, rel=1e-6)  # no dropout
+    with pytest.raises(ValueError, match="rdrop_alpha must be a finite number >= 0, got -1"):
+        trainer.rdrop_alpha = -1
