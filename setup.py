@@ -10,7 +10,8 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["rdrop_fairseq", "rdrop_fairseq.*"]),
     # the recipes' source table (read by rdrop_fairseq/recipes/fetch/table.py)
-    package_data={"rdrop_fairseq.recipes": ["sources.json", "glue_tasks.tsv"]},
+    package_data={"rdrop_fairseq.recipes": ["sources.json", "glue_tasks.tsv",
+                                            "vit_settings.tsv"]},
     # fairseq itself is deliberately not a requirement: the PyPI distribution named
     # "fairseq" (0.12.2) does not import on Python 3.11 and would replace a user's own
     # fairseq. Install one yourself (see README: requirements/fairseq.txt).
@@ -28,6 +29,7 @@ setup(
         # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check;
         # safetensors + tokenizers: the Hugging Face BERT converter, convert_hf_bert;
         # pyarrow: CNN/DailyMail's parquet files (26 needs NumPy 2; fairseq pins NumPy 1);
+        # pillow: ImageNet's images for scripts/vit.sh (matplotlib needs it too);
         # the downloader, rdrop_fairseq.recipes.fetch: requests and urllib3 (retries,
         # time-outs, resumes; tested with requests 2.34.2, urllib3 2.8.0), filelock (runs take
         # turns; 4.3.1), tqdm (progress); huggingface_hub, which the "hf" extra brings with
@@ -35,7 +37,7 @@ setup(
         "recipes": ["sacremoses>=0.1", "subword-nmt>=0.3.8", "sentencepiece>=0.1.99",
                     "rouge-score>=0.1.2", "matplotlib>=3.5", "tokenizers>=0.13",
                     "safetensors>=0.4", "pyarrow>=12,<26", "tqdm>=4", "requests>=2.34",
-                    "urllib3>=2.8", "filelock>=4.3"],
+                    "urllib3>=2.8", "filelock>=4.3", "pillow>=8"],
         # fairseq's --tensorboard-logdir; without it every fairseq command logs
         # "Please install tensorboardX" (fairseq/tasks/text_to_speech.py, at import)
         "tensorboard": ["tensorboardX>=2.1"],

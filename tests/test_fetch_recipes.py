@@ -361,6 +361,7 @@ WMT_EN_DE = ["wmt13-europarl-v7", "wmt13-commoncrawl", "wmt17-nc-v12", "wmt14-te
     ("glue", {"TASK": "QQP"}, ["glue-QQP", "gpt2-bpe"]),
     ("cnndm_bart", {}, ["cnn_dailymail", "gpt2-bpe", "bart.large"]),
     ("glue_bert", {"TASK": "MRPC"}, ["glue-MRPC", "bert-base-uncased"]),
+    ("vit", {}, ["cifar-100"]),
 ])
 def test_a_dry_run_prints_every_url_and_destination(tmp_path, name, env, sources):
     from tests.recipe_helpers import dry_run

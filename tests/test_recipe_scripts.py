@@ -130,6 +130,7 @@ def test_mode_and_alpha_errors():
     _, proc = dry_run("iwslt14", "fit", ok=False)
     assert "unknown stage 'fit'" in proc.stderr
     assert script("glue", "--help").stdout.startswith("GLUE with R-Drop")  # the header
+    assert script("vit", "--help").stdout.startswith("Image classification with R-Drop")
 
 
 def test_several_nodes_use_fairseqs_distributed_options():
@@ -175,6 +176,9 @@ def test_every_stage_of_every_recipe_prints_its_commands():
                               "fairseq-hydra-train", "rdrop_fairseq.recipes.evaluate_lm"],
         ("glue", ("TASK", "RTE")): [FETCH, "rdrop_fairseq.recipes.prepare_glue", FETCH,
                                     "fairseq-hydra-train", "rdrop_fairseq.recipes.evaluate_glue"],
+        # the weights fetched by train; on several GPUs, train through torchrun
+        ("vit", ()): [FETCH, "rdrop_fairseq.recipes.vit", FETCH, "rdrop_fairseq.recipes.vit",
+                      "rdrop_fairseq.recipes.vit"],
     }
     for (name, env), programs in expected.items():
         commands, proc = dry_run(name, GPUS=1, **dict([env] if env else []))

@@ -50,6 +50,22 @@ def show(cmd):
     print("++ " + shlex.join(map(str, cmd)), flush=True)
 
 
+def one_pass_trainer(**kwargs):
+    """A plain ``transformers.Trainer`` made with ``kwargs``: one pass, the model's own loss
+    (the Hugging Face recipes' baseline), divided by ``gradient_accumulation_steps``. The
+    Trainer counts a model whose forward takes ``**kwargs`` (BERT's and ViT's heads) as
+    normalising its loss over the whole accumulated batch itself, and those heads take the
+    mean of each batch: without this, k accumulation steps would give k times the
+    gradient."""
+    from transformers import Trainer
+
+    from ..hf import declare_loss_scaling
+
+    trainer = Trainer(**kwargs)
+    declare_loss_scaling(trainer, False)
+    return trainer
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with its errors on one line (the usage is one --help away)."""
 

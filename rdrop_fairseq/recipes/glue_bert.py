@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from . import prepare_glue
-from .common import ArgumentParser, made_or_removed, need, write_json
+from .common import ArgumentParser, made_or_removed, need, one_pass_trainer, write_json
 from .evaluate_glue import METRICS, scored
 
 MAX_LENGTH = 128  # run_glue's max_seq_length
@@ -133,25 +133,16 @@ def examples(rows, labels):
 
 
 def make_trainer(a, args, model, tokenizer, train_dataset):
-    from transformers import DataCollatorWithPadding, Trainer
+    from transformers import DataCollatorWithPadding
 
-    from ..hf import RDropTrainer, declare_loss_scaling
-
-    class OnePassTrainer(Trainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            # the Trainer counts a model whose forward takes **kwargs as normalising its
-            # loss over the accumulated batch (num_items_in_batch), and BERT's heads take
-            # the mean of each batch: without this, --gradient_accumulation_steps k would
-            # give k times the gradient. A mean per batch, divided by k.
-            declare_loss_scaling(self, False)
+    from ..hf import RDropTrainer
 
     common = dict(model=model, args=args, train_dataset=train_dataset,
                   data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)
     if a.mode in ("rdrop", "no-kl"):
         return RDropTrainer(**common, rdrop_alpha=a.alpha if a.mode == "rdrop" else 0.0,
                             rdrop_impl=a.rdrop_impl)
-    return OnePassTrainer(**common)
+    return one_pass_trainer(**common)
 
 
 def train(a, parser):

@@ -24,12 +24,12 @@ die() { echo "error: $*" >&2; exit 1; }
 say() { echo "[$RECIPE] $*"; }
 
 # The numeric variables, checked before anything runs or is created (not by hydra, after
-# its run directory exists): ALPHA a finite number >= 0; SEED, MAX_UPDATE, UPDATE_FREQ
-# whole numbers (the last two >= 1).
+# its run directory exists): ALPHA a finite number >= 0; SEED, MAX_UPDATE, UPDATE_FREQ,
+# DEVICE_BATCH whole numbers (the last three >= 1).
 [ -z "${ALPHA:-}" ] || [[ $ALPHA =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] ||
   die "ALPHA must be a number >= 0 (R-Drop's KL weight), not '$ALPHA'"
 [[ $SEED =~ ^[0-9]+$ ]] || die "SEED must be a whole number, not '$SEED'"
-for var in MAX_UPDATE UPDATE_FREQ; do
+for var in MAX_UPDATE UPDATE_FREQ DEVICE_BATCH; do
   [ -z "${!var:-}" ] || [[ ${!var} =~ ^[1-9][0-9]*$ ]] ||
     die "$var must be a whole number >= 1, not '${!var}'"
 done
@@ -75,7 +75,8 @@ fairseq_cli() {
 # sources.json; RDROP_SOURCES replaces it): resumed after a cut, checksum-verified, with
 # progress. OFFLINE=1 fetches nothing and names what is missing; a dry run prints the URLs.
 GIVEN=" "
-for var in SOURCE ARCHIVE ORIG RAW GLUE_DIR BPE_DIR ROBERTA_DIR BART_DIR BERT_DIR; do
+for var in SOURCE ARCHIVE ORIG RAW GLUE_DIR BPE_DIR ROBERTA_DIR BART_DIR BERT_DIR CIFAR_DIR \
+           IMAGENET_DIR VIT_DIR; do
   [ -z "${!var:-}" ] || GIVEN+="$var "
 done
 given() { [[ $GIVEN == *" $1 "* ]]; }
@@ -297,6 +298,42 @@ split_batch() {
   case $MODE in rdrop|no-kl) note+="; R-Drop runs each batch twice" ;; esac
   say "batch: $DEVICES device(s) x update-freq $UPDATE_FREQ x max-tokens $MAX_TOKENS" \
       "= $per_update tokens per update (the paper's: $total$note)"
+}
+
+# split_examples TOTAL MOST: DEVICE_BATCH and UPDATE_FREQ with DEVICES x UPDATE_FREQ x
+# DEVICE_BATCH = TOTAL, a recipe's examples per update (the Hugging Face recipes, whose
+# batches count examples, not tokens): the fewest accumulation steps whose per-device batch
+# is at most MOST. DEVICE_BATCH / UPDATE_FREQ from the environment win: one of them given,
+# the other is what makes TOTAL (a one-line error where it does not divide); both, they are
+# used as they are. doubled-batch then doubles DEVICE_BATCH. Says the batch.
+split_examples() {
+  local total=$1 most=$2 note=""
+  local fix="set UPDATE_FREQ and/or DEVICE_BATCH (GPUS x NODES x UPDATE_FREQ x DEVICE_BATCH = $total)"
+  if [ -n "${DEVICE_BATCH:-}" ] && [ -z "${UPDATE_FREQ:-}" ]; then
+    (( total % (DEVICES * DEVICE_BATCH) == 0 )) ||
+      die "$DEVICES device(s) x DEVICE_BATCH=$DEVICE_BATCH do not divide the recipe's $total" \
+          "examples per update: $fix"
+    UPDATE_FREQ=$(( total / (DEVICES * DEVICE_BATCH) ))
+  elif [ -z "${DEVICE_BATCH:-}" ] && [ -n "${UPDATE_FREQ:-}" ]; then
+    (( total % (DEVICES * UPDATE_FREQ) == 0 )) ||
+      die "$DEVICES device(s) x UPDATE_FREQ=$UPDATE_FREQ do not divide the recipe's $total" \
+          "examples per update: $fix"
+    DEVICE_BATCH=$(( total / (DEVICES * UPDATE_FREQ) ))
+  elif [ -z "${DEVICE_BATCH:-}" ]; then
+    (( total % DEVICES == 0 )) ||
+      die "$DEVICES devices do not divide the recipe's $total examples per update: $fix"
+    UPDATE_FREQ=1  # up to total / DEVICES, where the batch is 1 (<= MOST): it ends
+    while (( total % (DEVICES * UPDATE_FREQ) || total / (DEVICES * UPDATE_FREQ) > most )); do
+      UPDATE_FREQ=$(( UPDATE_FREQ + 1 ))
+    done
+    DEVICE_BATCH=$(( total / (DEVICES * UPDATE_FREQ) ))
+  fi
+  local per_update=$(( DEVICES * UPDATE_FREQ * DEVICE_BATCH * BATCH_FACTOR ))
+  DEVICE_BATCH=$(( DEVICE_BATCH * BATCH_FACTOR ))
+  (( BATCH_FACTOR == 1 )) || note=", doubled by MODE=doubled-batch"
+  case $MODE in rdrop|no-kl) note+="; R-Drop runs each batch twice" ;; esac
+  say "batch: $DEVICES device(s) x $UPDATE_FREQ steps x $DEVICE_BATCH examples" \
+      "= $per_update examples per update (the recipe's: $total$note)"
 }
 
 # The recipes' measured memory (benchmarks/bench_recipe_memory.py; RECIPE_MEMORY: another
