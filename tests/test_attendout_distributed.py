@@ -7,10 +7,13 @@ sharing one set of runs (module fixture):
 * ``ranks``: 2 processes (torch's DDP, ``--ddp-backend pytorch_ddp``), B examples each per
   update; ``accum``: 1 process, B examples per batch, ``--update-freq 2``;
 * ``legacy``: 2 processes (fairseq's ``legacy_ddp``) with ``--update-freq 2``, B/2 per
-  batch; ``accum4``: 1 process, B/2 per batch, ``--update-freq 4``;
+  batch; ``accum4``: 1 process, B/2 per batch, ``--update-freq 4``; both regression
+  (STS-B's kind) with R-Drop (``sentence_prediction_rdrop``, whose doubled batch carries
+  the masks twice);
 * ``mutated``: as ``ranks``, with the rewards' sums over the processes left out (the
   test plugin replaces the reward shaping by one without them): the checks below must
-  fail on it.
+  fail on it;
+* and a resumption between two pruning steps, of a 2-process and of a 1-process run.
 
 fairseq deals its batches to the processes in turn (tests/test_distributed.py checks it),
 so update k of ``ranks`` sees the batches of update k of ``accum``. The test plugin prints,
@@ -20,7 +23,9 @@ sums included); the checks: the same masks for the same examples, every process 
 state after every pruning step, the same layers pruned at the same updates as one process,
 and the same parameters (encoder, heads, defender, generator) and generator state after
 the run, to float32 rounding. The budget (2 of 3 layers) prunes exactly 2, and the export
-of the 2-process checkpoint is exact.
+of the 2-process checkpoint is exact. Two things of fairseq's run on a GPU only, and the
+plugin makes them run on the CPU: torch's DDP as fairseq builds it (with device_ids) and
+its gather of the logging outputs (through a CUDA buffer).
 """
 
 import json
@@ -284,13 +289,15 @@ def runs(tmp_path_factory):
     testkit.mkdir()
     (testkit / "__init__.py").write_text(TESTKIT)
     b, half, torch_ddp = str(BATCH), str(BATCH // 2), ("pytorch_ddp", "--find-unused-parameters")
+    rdrop = ("--criterion", "sentence_prediction_rdrop", "--rdrop-alpha", "1.0")
     return Runs(
         data=data,
         ranks=train_ranks(testkit, data, root / "ranks", *torch_ddp, "--batch-size", b),
         accum=train(testkit, data, root / "accum", "--batch-size", b, "--update-freq", "2"),
         legacy=train_ranks(testkit, sts, root / "legacy", "legacy_ddp", "--batch-size", half,
-                           "--update-freq", "2"),
-        accum4=train(testkit, sts, root / "accum4", "--batch-size", half, "--update-freq", "4"),
+                           "--update-freq", "2", *rdrop),
+        accum4=train(testkit, sts, root / "accum4", "--batch-size", half, "--update-freq", "4",
+                     *rdrop),
         mutated=train_ranks(testkit, data, root / "mutated", *torch_ddp, "--batch-size", b,
                             AO_TEST_LOCAL_REWARDS="1"))
 
