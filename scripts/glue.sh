@@ -2,9 +2,10 @@
 # GLUE with R-Drop, the paper's table 3: RoBERTa large fine-tuned on one GPU per task with
 # the task's max updates, batch (sentences) and alpha (the paper's appendix table 1).
 # MODE=attendout: AttendOut (docs/attendout.md) on RoBERTa base, fairseq's roberta.base
-# settings per task (configs/roberta_glue_attendout.yaml); MODE=attendout_rdrop: both;
-# TARGET_LAYERS=K: AttendOut's budget (prune exactly K of 12 layers, validated from the
-# deadline on, so that checkpoint_best.pt has them all).
+# settings per task (configs/roberta_glue_attendout.yaml), on one GPU or several (GPUS=4:
+# the batch split over them); MODE=attendout_rdrop: both; TARGET_LAYERS=K: AttendOut's
+# budget (prune exactly K of 12 layers, validated from the deadline on, so that
+# checkpoint_best.pt has them all).
 #
 #   TASK=RTE bash scripts/glue.sh [prepare|train|evaluate|all] [extra arguments]
 #   TASK=MNLI MODE=baseline SEED=2 bash scripts/glue.sh train
@@ -17,8 +18,9 @@
 # randomly initialised model), DOWNLOADS (default work/downloads). Environment: TASK (CoLA, MRPC, RTE,
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
 # doubled-batch, attendout, attendout_rdrop), TARGET_LAYERS (AttendOut modes), ALPHA, SEED,
-# MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ batches of
-# batch/UPDATE_FREQ sentences), GPUS (0 or 1), CPU, BF16, FP16, FAIRSEQ_BIN, PYTHON, DRY_RUN.
+# MAX_UPDATE, UPDATE_FREQ (the batch as GPUS x UPDATE_FREQ batches of
+# batch/(GPUS x UPDATE_FREQ) sentences), GPUS (0 or 1; the AttendOut modes: any number that
+# divides the batch with UPDATE_FREQ), CPU, BF16, FP16, FAIRSEQ_BIN, PYTHON, DRY_RUN.
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
 # of the Python module). A SAVE_DIR holding checkpoint_last.pt is resumed, not restarted.
 source "$(dirname "$0")/lib/common.sh"
@@ -70,20 +72,27 @@ prepare() {
 
 train() {
   need "$BIN/input0/dict.txt" "run: TASK=$TASK bash scripts/glue.sh prepare"
-  # one GPU, as the paper and fairseq's GLUE configs: sentence_prediction's MCC / F1 /
-  # Pearson come from per-GPU prediction lists that do not add up over GPUs
-  (( DEVICES == 1 )) ||
-    die "glue.sh fine-tunes on one GPU, as the paper: set GPUS=1" \
-        "(CUDA_VISIBLE_DEVICES picks it; one task per GPU)"
+  # R-Drop's modes: one GPU, as the paper and fairseq's GLUE configs (fairseq's
+  # sentence_prediction task cannot add up the MCC / F1 / Pearson prediction lists over
+  # GPUs); AttendOut's task gathers them, so its modes run on several (docs/attendout.md)
+  (( DEVICES == 1 || ATTENDOUT )) ||
+    die "glue.sh fine-tunes with R-Drop on one GPU, as the paper: set GPUS=1" \
+        "(CUDA_VISIBLE_DEVICES picks it; one task per GPU; MODE=attendout runs on several)"
   UPDATE_FREQ=${UPDATE_FREQ:-1}
-  (( BATCH % UPDATE_FREQ == 0 )) ||
-    die "UPDATE_FREQ=$UPDATE_FREQ does not divide $TASK's batch of $BATCH sentences"
-  local batch_size=$(( BATCH / UPDATE_FREQ * BATCH_FACTOR )) regression=false
+  if (( DEVICES == 1 )); then
+    (( BATCH % UPDATE_FREQ == 0 )) ||
+      die "UPDATE_FREQ=$UPDATE_FREQ does not divide $TASK's batch of $BATCH sentences"
+  else  # the batch split over the GPUs: GPUs x update-freq x batch-size
+    (( BATCH % (DEVICES * UPDATE_FREQ) == 0 )) ||
+      die "$DEVICES GPUs x UPDATE_FREQ=$UPDATE_FREQ do not divide $TASK's batch of" \
+          "$BATCH sentences"
+  fi
+  local batch_size=$(( BATCH / (DEVICES * UPDATE_FREQ) * BATCH_FACTOR )) regression=false
   local max_update=${MAX_UPDATE:-$PAPER_MAX_UPDATE}
   local warmup=$(( max_update * 6 / 100 ))  # 6% of the updates, as fairseq's GLUE configs
   (( CLASSES > 1 )) || regression=true
-  say "batch: 1 device x update-freq $UPDATE_FREQ x $batch_size sentences" \
-      "= $(( batch_size * UPDATE_FREQ )) sentences per update (the paper's: $BATCH)"
+  say "batch: $DEVICES device(s) x update-freq $UPDATE_FREQ x $batch_size sentences" \
+      "= $(( DEVICES * batch_size * UPDATE_FREQ )) sentences per update (the paper's: $BATCH)"
   # RoBERTa large's measured memory: the config's max-tokens 4400 caps a batch of 512-token
   # sentences at 8, whatever the task's batch
   [ "$CONFIG" != roberta_glue_rdrop ] || memory_line 4400
@@ -99,6 +108,14 @@ train() {
     restore=(checkpoint.restore_file="$(realpath -m "$ROBERTA_DIR/model.pt")")
   fi
   [ -z "${SETTINGS[5]:-}" ] || task_args+=(criterion.${SETTINGS[5]}=true)
+  # several GPUs: each process reads the checkpoint itself (fairseq's broadcast of it from
+  # process 0 goes through torch.load, whose weights-only default refuses its config)
+  (( DEVICES == 1 )) || restore+=(checkpoint.load_checkpoint_on_all_dp_ranks=true)
+  if [ -n "${SETTINGS[5]:-}" ] && (( DEVICES > 1 )); then
+    # fairseq gathers the GPUs' logging outputs (the metric's predictions) through 16 KiB
+    # per GPU: about 5 KiB per batch here, times the batches of an update
+    task_args+=(common.all_gather_list_size=$(( 16384 * UPDATE_FREQ )))
+  fi
   if [ -n "${TARGET_LAYERS:-}" ]; then
     (( ATTENDOUT )) || die "TARGET_LAYERS is AttendOut's budget: set MODE=attendout"
     # validated from the deadline (the task's default: 40 % of the updates) on; the price

@@ -30,6 +30,7 @@ SLOWEST_FIRST = [
     "tests/test_glue_recipe.py",
     "tests/test_glue_bert_recipe.py",  # 18 s: four Python processes of the script
     "tests/test_attendout.py",
+    "tests/test_attendout_distributed.py",  # 9 fairseq-train runs (14 processes): 15 s
     "tests/test_criteria.py",
     "tests/test_reliability.py",
     "tests/test_distributed.py",

@@ -32,6 +32,7 @@ from rdrop_fairseq.models.attendout_layers import (
     unpack_mask,
 )
 from rdrop_fairseq.recipes import export_attendout
+from rdrop_fairseq.tasks.attendout_processes import Processes
 from rdrop_fairseq.tasks.sentence_prediction_attendout import fp32_master_views
 from tests.fairseq_config import training_config
 from tests.warm_process import machine_env, run_command
@@ -537,11 +538,24 @@ def test_wrong_model_or_criterion_is_refused(data):
         task.build_criterion(other)
 
 
-def test_several_workers_are_refused(data, monkeypatch):
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
-    with pytest.raises(ValueError, match="one GPU"):
-        build(data)
+@pytest.mark.parametrize("extra, match", [
+    ((), "with --ddp-backend pytorch_ddp needs --find-unused-parameters"),
+    (("--ddp-backend", "fully_sharded"), "needs --ddp-backend pytorch_ddp or legacy_ddp"),
+    (("--ddp-backend", "legacy_ddp", "--use-bmuf"), "cannot run with --use-bmuf"),
+    (("--ddp-backend", "legacy_ddp", "--zero-sharding", "os",
+      "--attendout-sync-optimizer-state"), "that --zero-sharding os spreads"),
+    (("--find-unused-parameters", "--report-mcc"), "--report-mcc under 2 processes on the CPU"),
+])
+def test_what_several_processes_cannot_run_is_refused(data, monkeypatch, extra, match):
+    """Under several data-parallel processes (tests/test_attendout_distributed.py runs
+    them), the options they cannot run are refused when the task is set up; the same
+    options on one process, and the supported backends on two, build."""
+    build(data, *extra)
+    monkeypatch.setattr(Processes, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match=match):
+        build(data, *extra)
+    for backend in (("--find-unused-parameters",), ("--ddp-backend", "legacy_ddp")):
+        build(data, *backend)
 
 
 class Optimizer:

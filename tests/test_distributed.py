@@ -322,24 +322,41 @@ def train(testkit, data, setting, save_dir, *extra, alpha=None):
 def train_ranks(testkit, data, setting, save_dir, *extra, world_size=2):
     """One fairseq-train process per rank, as a CPU-only user would launch them (started
     warm)."""
+    def command(rank, init):
+        return train_cmd(testkit, data, setting, save_dir, *extra,
+                         *rank_args(rank, init, world_size, "legacy_ddp"))
+
+    done = launch_ranks(command, save_dir.parent, env(), world_size)
+    for proc in sorted(done, key=lambda p: p.returncode < 0):  # the killed ones last
+        check_ok(proc)
+    return Run(done, save_dir)
+
+
+def rank_args(rank, init, world_size, backend):
+    """fairseq-train's options for process ``rank`` of ``world_size`` (gloo, on the CPU)."""
+    return ["--distributed-world-size", str(world_size), "--distributed-rank", str(rank),
+            "--distributed-no-spawn", "--distributed-init-method", init,
+            "--distributed-backend", "gloo", "--ddp-backend", backend]
+
+
+def launch_ranks(command, log_dir, environ, world_size=2):
+    """Run ``command(rank, init_method)`` for every rank, each a process of its own forked
+    from this worker's warm server (tests/warm_process.py), its output in files of
+    ``log_dir``; a failed rank stops the others. Returns a CompletedProcess per rank."""
     for _ in range(3):  # the free port may be taken before rank 0 binds it
         init = f"tcp://127.0.0.1:{free_port()}"
         procs, logs = [], []
         try:
             for rank in range(world_size):
-                cmd = train_cmd(testkit, data, setting, save_dir, *extra,
-                                "--distributed-world-size", str(world_size),
-                                "--distributed-rank", str(rank), "--distributed-no-spawn",
-                                "--distributed-init-method", init,
-                                "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp")
+                cmd = command(rank, init)
                 # files, not pipes: a rank blocked on a full pipe would stall the other
-                logs.append([save_dir.parent / f"rank{rank}.{name}" for name in ("out", "err")])
+                logs.append([log_dir / f"rank{rank}.{name}" for name in ("out", "err")])
                 # the tool's warm stand-in (tests/warm_process.py): a process of its own per
                 # rank, forked from this worker's warm server
                 cmd = [Path(fairseq_bin()) / Path(cmd[0]).name, *cmd[1:]]
                 with open(logs[-1][0], "w") as out, open(logs[-1][1], "w") as err:
-                    procs.append(subprocess.Popen([str(c) for c in cmd], cwd=save_dir.parent,
-                                                  env=env(), stdout=out, stderr=err))
+                    procs.append(subprocess.Popen([str(c) for c in cmd], cwd=log_dir,
+                                                  env=environ, stdout=out, stderr=err))
             deadline = time.monotonic() + TIMEOUT_S
             # until all are done; a failed rank leaves the others waiting for it: stop them
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -355,10 +372,8 @@ def train_ranks(testkit, data, setting, save_dir, *extra, world_size=2):
                                             err.read_text())
                 for proc, (out, err) in zip(procs, logs)]
         if not any("address already in use" in p.stderr.lower() for p in done):
-            break
-    for proc in sorted(done, key=lambda p: p.returncode < 0):  # the killed ones last
-        check_ok(proc)
-    return Run(done, save_dir)
+            return done
+    return done
 
 
 @dataclass

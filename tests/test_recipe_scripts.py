@@ -284,6 +284,28 @@ def test_glue_on_several_gpus_is_a_one_line_error(gpus):
     assert proc.returncode != 0 and "one GPU" in proc.stderr and "GPUS=1" in proc.stderr
 
 
+@pytest.mark.parametrize("gpus, task, mode, update_freq", [
+    (2, "RTE", "attendout", 1), (4, "QQP", "attendout_rdrop", 2), (8, "STS-B", "attendout", 1)])
+def test_glue_attendout_splits_its_batch_over_the_gpus(gpus, task, mode, update_freq):
+    """The AttendOut modes run on several GPUs: GPUs x update-freq x batch-size sentences is
+    the task's batch (fairseq's roberta.base table: RTE 16, QQP 32, STS-B 16), and fairseq
+    gathers the GLUE metrics' predictions from the GPUs through room for every batch."""
+    batch = {"RTE": 16, "QQP": 32, "STS-B": 16}[task]
+    commands, proc = dry_run("glue", "train", TASK=task, GPUS=gpus, MODE=mode,
+                             UPDATE_FREQ=update_freq)
+    o = overrides_of(commands[-1])
+    assert o["distributed_training.distributed_world_size"] == str(gpus)
+    assert o["optimization.update_freq"] == f"[{update_freq}]"
+    assert int(o["dataset.batch_size"]) * gpus * update_freq == batch
+    assert (f"batch: {gpus} device(s) x update-freq {update_freq} x {o['dataset.batch_size']} "
+            f"sentences = {batch} sentences per update") in proc.stdout
+    assert o["checkpoint.load_checkpoint_on_all_dp_ranks"] == "true"  # not broadcast
+    gather = o.get("common.all_gather_list_size")
+    assert gather == (None if task == "RTE" else str(16384 * update_freq))  # RTE: accuracy
+    _, proc = dry_run("glue", "train", ok=False, TASK=task, GPUS=3, MODE=mode)
+    assert f"3 GPUs x UPDATE_FREQ=1 do not divide {task}'s batch of {batch}" in proc.stderr
+
+
 def test_glue_task_names():
     assert overrides_of(dry_run("glue", "train", TASK="sts-b", GPUS=0)[0][-1])[
         "task.num_classes"] == "1"

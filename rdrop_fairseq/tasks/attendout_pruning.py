@@ -25,17 +25,21 @@ from ..models.attendout_layers import (
     search_option,
     unpack_mask,
 )
+from .attendout_processes import Processes
 
 
 class AttendOutPruning:
     """The search's steps for the task configuration ``cfg`` (its ``--attendout-*``
     options), on batches whose padding index is ``pad``. It holds no state of its own:
     the generator's (its optimizers, baseline, price, pruned layers) is the model's, the
-    cache is the task's."""
+    cache is the task's. Under several data-parallel processes each process draws the
+    masks of its own batches and caches them, and the pruning step sums over the
+    processes what one process sums over its batches (:mod:`.attendout_processes`)."""
 
     def __init__(self, cfg, pad):
         self.cfg = cfg
         self.pad = pad
+        self.processes = Processes()
 
     @property
     def budget(self):
@@ -62,10 +66,16 @@ class AttendOutPruning:
         return drop, drop_rate
 
     def next_seed(self, generator):
-        """The seed of the next batch's masks: a function of --seed and the masks drawn so
-        far (counted in the generator's state, which the checkpoint keeps)."""
-        generator.masks_drawn += 1
-        return (self.cfg.seed * 1_000_003 + generator.masks_drawn) % (2 ** 62)
+        """The seed of the next batch's masks: a function of --seed and of the batch's
+        place among the masks drawn so far by all processes (counted in the generator's
+        state, which the checkpoint keeps). Each batch counts one per process: the process
+        of rank r draws the ``masks_drawn + r + 1``-th masks, those one process draws for
+        the batch fairseq deals to rank r (with --update-freq N x processes, one process
+        draws them in the same order)."""
+        processes = self.processes.world_size
+        index = generator.masks_drawn + (self.processes.rank if processes > 1 else 0) + 1
+        generator.masks_drawn += processes
+        return (self.cfg.seed * 1_000_003 + index) % (2 ** 62)
 
     # -- the reward --------------------------------------------------------------------
     def rewards(self, model, sample, drop):
@@ -114,22 +124,28 @@ class AttendOutPruning:
     def step(self, model, cache, force=False):
         """The generator's side of a pruning step on ``cache``, the batches of the interval
         (``(sample, packed mask, step-timing rewards or None)`` each): reward, update,
-        decision, with the model in evaluation mode. Without a cached batch (the deadline
-        after a skipped update, say) the decision alone, on the last interval's statistic,
-        and the price stays. ``force``: the deadline (fill the budget). Returns ``(decision
-        statistic per layer, layers pruned now)``."""
+        decision, with the model in evaluation mode. Without a cached batch on any process
+        (the deadline after a skipped update, say) the decision alone, on the last
+        interval's statistic, and the price stays. ``force``: the deadline (fill the
+        budget). Returns ``(decision statistic per layer, layers pruned now, cached
+        batches of all processes)``."""
         generator = model.generator
-        if not cache:
+        batches = len(cache)
+        if self.processes.world_size > 1:  # (a process may have none: fairseq's dummy batches)
+            (total,) = self.processes.sum([torch.tensor(float(batches),
+                                                        device=generator.drop_bias.device)])
+            batches = round(total.item())
+        if not batches:
             statistic = generator.gate_prob if generator.decision == "layer" else (
                 generator.greedy_all_dropped)
-            return statistic, generator.decide(statistic, self.budget, force)
+            return statistic, generator.decide(statistic, self.budget, force), 0
         model.eval()
         cache = on_device(cache, generator.drop_bias.device)
         task_rewards, dropped = self.cached_rewards(model, cache)
         statistic = self.update_generator(model, cache, task_rewards, dropped)
         now = self.decide(generator, statistic, force)
         model.train()
-        return statistic, now
+        return statistic, now, batches
 
     @torch.no_grad()
     def cached_rewards(self, model, cache):
@@ -164,7 +180,8 @@ class AttendOutPruning:
         return reinforce_generator(
             generator, task_rewards, dropped, batch,
             baseline_decay=self.cfg.attendout_baseline_decay,
-            leave_one_out=self.cfg.attendout_baseline == "leave_one_out")
+            leave_one_out=self.cfg.attendout_baseline == "leave_one_out",
+            reduce=self.processes.sum)
 
     def decide(self, generator, statistic, force=False):
         """Step 3: prune the layers whose ``statistic`` reached the threshold (the budget's

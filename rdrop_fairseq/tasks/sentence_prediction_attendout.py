@@ -9,8 +9,9 @@ Every training batch:
    with its batch; layers already pruned (sticky, see AttendOutGenerator) are dropped for
    every example;
 2. the criterion is applied twice on the same batch: to the attacker with the masks, and to
-   the defender (``attendout_role="defender"``); both losses are backpropagated into
-   fairseq's optimizer, which updates both copies (never the generator).
+   the defender (``attendout_role="defender"``), each loss backpropagated after its forward
+   (one network's graph at a time); fairseq's optimizer updates both copies (never the
+   generator).
 
 Every ``--attendout-interval`` T *updates* (the pruning step, in ``optimizer_step``):
 
@@ -29,6 +30,8 @@ whole interval.
 This module is the schedule (when masks are drawn, what the cache holds, when a pruning
 step runs, D <- A); the masks, the rewards and the generator's side of the pruning step
 (steps 1, 3 and 4) are :class:`~rdrop_fairseq.tasks.attendout_pruning.AttendOutPruning`'s.
+Under fairseq's data-parallel training every process runs all of it on its own batches and
+takes the same decisions (:mod:`~rdrop_fairseq.tasks.attendout_processes`).
 
 The criterion is any sentence-prediction criterion: ``sentence_prediction`` or
 ``sentence_prediction_rdrop`` (AttendOut + R-Drop: the mask is part of ``net_input``, so
@@ -53,6 +56,13 @@ from ..models.attendout_layers import (
     check_search_options,
     pack_mask,
     search_option,
+)
+from .attendout_processes import (
+    check_distributed_options,
+    check_gathered_metrics,
+    reports_predictions,
+    search_state,
+    unwrap_model,
 )
 from .attendout_pruning import AttendOutPruning, describe_step
 
@@ -150,6 +160,12 @@ class SentencePredictionAttendOutConfig(SentencePredictionConfig):
                   "training step t; no re-scoring)"},
     )
     max_update: int = II("optimization.max_update")
+    # fairseq's data-parallel options, read where several processes cannot run them
+    ddp_backend: str = II("distributed_training.ddp_backend")
+    find_unused_parameters: bool = II("distributed_training.find_unused_parameters")
+    zero_sharding: str = II("distributed_training.zero_sharding")
+    use_bmuf: bool = II("optimization.use_bmuf")
+    cpu: bool = II("common.cpu")
 
 
 @register_task("sentence_prediction_attendout", dataclass=SentencePredictionAttendOutConfig)
@@ -159,6 +175,7 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         check_task_options(cfg)
         # the masks, the rewards and the generator's side of the pruning step
         self.pruning = AttendOutPruning(cfg, data_dictionary.pad())
+        check_distributed_options(cfg, self.pruning.processes.world_size)
         # (sample, its attacker mask as bits, its rewards with the step timing, else None)
         # of the applied updates since the last pruning step: B * layers * T^2 / 8 bytes
         # each; _pending: those of the update in progress
@@ -170,7 +187,15 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         criterion = super().build_criterion(cfg)
         if not hasattr(criterion, "classification_head_name"):
             raise ValueError(f"{_NEEDS_HEAD_CRITERION}, got {type(criterion).__name__}")
+        check_gathered_metrics(criterion, self.cfg, self.pruning.processes.world_size)
         return criterion
+
+    @staticmethod
+    def logging_outputs_can_be_summed(criterion):
+        """fairseq sums the processes' logging outputs before the metrics where it can; the
+        GLUE metrics' lists of predictions (--report-mcc, ...) it cannot, so with them it
+        gathers the outputs instead (and every process's predictions count)."""
+        return criterion.logging_outputs_can_be_summed() and not reports_predictions(criterion)
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)
@@ -184,10 +209,6 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
                 "--task sentence_prediction_attendout trains a roberta_attendout model "
                 "(--arch roberta_attendout_base / _large / roberta_attendout); got "
                 f"{type(model).__name__}")
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            raise ValueError(
-                "sentence_prediction_attendout runs on one GPU for now: the generator's "
-                "rewards and gradients are not all-reduced across workers")
         check_search_options(self.cfg, model.args.encoder_layers if hasattr(model, "args")
                              else len(model.encoder.sentence_encoder.layers),
                              getattr(self.cfg, "max_update", 0))
@@ -224,31 +245,43 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         drop, drop_rate = self.pruning.draw_masks(model, tokens)
         attacker = dict(sample, net_input=dict(sample["net_input"], attendout_drop=drop))
         defender = dict(sample, net_input=dict(sample["net_input"], attendout_role="defender"))
-        amp = isinstance(optimizer, _amp_optimizer_types())
         step_timing = self.cfg.attendout_reward_timing == "step"
         heads = HeadOutputs(model, self.cfg.classification_head_name) if step_timing else None
-        with torch.autograd.profiler.record_function("forward"):
-            with torch.autocast(tokens.device.type, enabled=amp), heads or nullcontext():
-                loss, sample_size, logging_output = criterion(model, attacker)
-                defender_loss, _, defender_log = criterion(model, defender)
-        total = loss + defender_loss
         if model.encoder.sentence_encoder.embed_tokens.weight.grad is None:
             # the first batch of an update (fairseq zeroes the gradients to None before it):
             # a batch still pending belongs to an update that was skipped (fp16 overflow)
             self._pending = []
-        if ignore_grad:
-            total = total * 0
-        else:
+        # the attacker's forward and backward, then the defender's: one network's graph at
+        # a time, and one forward per backward, as torch's DDP reduces the gradients (it
+        # holds the attacker's back until the defender's backward, which reduces both)
+        with heads or nullcontext():
+            with no_sync(model):
+                loss, sample_size, logging_output = self.forward_backward(
+                    criterion, model, attacker, optimizer, ignore_grad)
+            _, _, defender_log = self.forward_backward(criterion, model, defender, optimizer,
+                                                       ignore_grad)
+        if not ignore_grad:
             rewards = None
             if step_timing:  # r_t: this step's own training losses, attacker over defender
                 with torch.no_grad():
                     rewards = self.pruning.step_rewards(model, sample, *heads.outputs)
             self._pending.append((sample, pack_mask(drop), rewards))
-        with torch.autograd.profiler.record_function("backward"):
-            optimizer.backward(total)
         logging_output["defender_loss"] = defender_log["loss"]
         for i, rate in enumerate(drop_rate.unbind()):  # 0-dim tensors: no host sync
             logging_output[f"attendout_drop_L{i}"] = rate * sample_size
+        return loss, sample_size, logging_output
+
+    @staticmethod
+    def forward_backward(criterion, model, sample, optimizer, ignore_grad):
+        """The criterion on ``sample`` (autocast under --amp), and its backward (times 0
+        for fairseq's dummy batches): ``criterion``'s ``(loss, sample_size, log)``."""
+        amp = isinstance(optimizer, _amp_optimizer_types())
+        device = sample["net_input"]["src_tokens"].device.type
+        with torch.autograd.profiler.record_function("forward"):
+            with torch.autocast(device, enabled=amp):
+                loss, sample_size, logging_output = criterion(model, sample)
+        with torch.autograd.profiler.record_function("backward"):
+            optimizer.backward(loss * 0 if ignore_grad else loss)
         return loss, sample_size, logging_output
 
     def optimizer_step(self, optimizer, model, update_num):
@@ -270,6 +303,10 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
 
     # the cache in the checkpoint (fairseq's task hooks; not restored with --reset-dataloader)
     def get_checkpoint_dict(self):
+        processes = self.pruning.processes.world_size
+        if processes > 1:  # fairseq writes the checkpoint from process 0 alone
+            return {type(self).__name__: {"attendout_cache": [], "attendout_processes": processes,
+                                          "attendout_cache_not_saved": len(self._cache)}}
         cache = [(utils.apply_to_sample(lambda t: t.cpu(), sample), (bits.cpu(), shape),
                   None if rewards is None else rewards.cpu())
                  for sample, (bits, shape), rewards in self._cache]
@@ -280,6 +317,14 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         self._cache = [tuple(entry) if len(entry) == 3 else (*entry, None)
                        for entry in state.get("attendout_cache", [])]
         self._cache_restored = True
+        if self.pruning.processes.rank > 0:  # a one-process run's batches: process 0 has them
+            self._cache = []
+        if state.get("attendout_cache_not_saved"):
+            logger.warning(
+                f"AttendOut: the checkpoint was written by {state['attendout_processes']} "
+                f"processes, each with {state['attendout_cache_not_saved']} batch(es) since the "
+                "last pruning step, which it does not keep: the next pruning step rewards only "
+                "the batches trained from now on")
         if self._cache:
             logger.info(f"AttendOut: {len(self._cache)} batches since the last pruning step "
                         "restored from the checkpoint")
@@ -299,18 +344,23 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
 
     def pruning_step(self, model, optimizer, update=None):
         """Reward the generator for the cached batches (REINFORCE, Eq. 4), decide which
-        layers are pruned, adapt the price to the budget, then D <- A."""
+        layers are pruned, adapt the price to the budget, then D <- A. Under several
+        processes, every process runs it on its own batches and leaves it with the same
+        search state (checked), the model's copies unwrapped from fairseq's DDP."""
+        model = unwrap_model(model)
         generator = model.generator
         cache, self._cache = self._cache, []
         generator.cached_batches = 0
         force = bool(self.budget) and update is not None and update >= self.deadline_update
-        statistic, now = self.pruning.step(model, cache, force)
+        statistic, now, batches = self.pruning.step(model, cache, force)
+        self.pruning.processes.check_same(search_state(generator),
+                                          "the search's state after a pruning step")
         if now:
             model.set_pruned_layers(generator.pruned_layers())
         finished = self.search_finished(model)
-        if cache or now:
+        if batches or now:
             logger.info(describe_step(generator, statistic, now, update=update,
-                                      batches=len(cache), force=force, finished=finished))
+                                      batches=batches, force=force, finished=finished))
         if not finished:
             self.copy_attacker_to_defender(model, optimizer)
 
@@ -347,6 +397,8 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         if "ncorrect" in unpruned:
             logging_output["ncorrect_unpruned"] = unpruned["ncorrect"]
         logging_output["attendout_num_pruned"] = len(pruned)
+        # (fairseq sums the logs of several processes: the count tells by how many)
+        logging_output["attendout_valid_batches"] = 1
         return loss, sample_size, logging_output
 
     def reduce_metrics(self, logging_outputs, criterion):
@@ -405,8 +457,10 @@ def log_attendout_metrics(logging_outputs):
                            100.0 * (pruned - correct) / max(nsentences, 1), nsentences,
                            round=1)
     if any("attendout_num_pruned" in log for log in logging_outputs):
-        metrics.log_scalar("attendout_num_pruned",
-                           max(log.get("attendout_num_pruned", 0) for log in logging_outputs),
+        # the same in every batch: the sum over the batches (and processes) / their number
+        total = sum(log.get("attendout_num_pruned", 0) for log in logging_outputs)
+        batches = sum(log.get("attendout_valid_batches", 1) for log in logging_outputs)
+        metrics.log_scalar("attendout_num_pruned", utils.item(total) / max(utils.item(batches), 1),
                            weight=0, round=0)
 
 
@@ -428,6 +482,13 @@ def _amp_scale(optimizer):
     return optimizer.scaler.get_scale() if isinstance(optimizer, _amp_optimizer_types()) else None
 
 
+def no_sync(model):
+    """fairseq's DDP wrapper's ``no_sync`` (gradients kept on each process until a later
+    backward reduces them); nothing to hold back for a model on one process."""
+    hold = getattr(model, "no_sync", None)
+    return hold() if hold is not None else nullcontext()
+
+
 def fp32_masters(optimizer):
     """Where fairseq's FP16Optimizer keeps the fp32 master copy of each model parameter:
     ``None`` without masters (fp32, --amp, --memory-efficient-fp16); ``("list", {id(model
@@ -435,8 +496,8 @@ def fp32_masters(optimizer):
     --fp16-no-flatten-grads); ``("flat", flat master, {id(model parameter): its slice})``
     (--fp16: the parameters one after another in one flat tensor).
 
-    A flat master per device (fairseq's pipeline parallelism) raises: AttendOut runs on one
-    GPU."""
+    A flat master per device (fairseq's pipeline parallelism: one model over several
+    devices) raises: AttendOut's model is on one device per process."""
     masters = getattr(optimizer, "fp32_params", None)
     params = getattr(optimizer, "fp16_params", None)
     if masters is None or params is None:
@@ -447,7 +508,7 @@ def fp32_masters(optimizer):
         if len(masters) != 1:
             raise ValueError(
                 f"AttendOut needs one flat fp32 master, got {len(masters)} (one per device: "
-                "pipeline parallelism); AttendOut runs on one GPU")
+                "pipeline parallelism); AttendOut's model is on one device per process")
         masters = next(iter(masters.values()))
     slices, offset = {}, 0
     for p in params:
