@@ -108,9 +108,6 @@ train() {
     restore=(checkpoint.restore_file="$(realpath -m "$ROBERTA_DIR/model.pt")")
   fi
   [ -z "${SETTINGS[5]:-}" ] || task_args+=(criterion.${SETTINGS[5]}=true)
-  # several GPUs: each process reads the checkpoint itself (fairseq's broadcast of it from
-  # process 0 goes through torch.load, whose weights-only default refuses its config)
-  (( DEVICES == 1 )) || restore+=(checkpoint.load_checkpoint_on_all_dp_ranks=true)
   if [ -n "${SETTINGS[5]:-}" ] && (( DEVICES > 1 )); then
     # fairseq gathers the GPUs' logging outputs (the metric's predictions) through 16 KiB
     # per GPU: about 5 KiB per batch here, times the batches of an update

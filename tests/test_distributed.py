@@ -512,3 +512,41 @@ def test_shuffled_batches_two_ranks_equal_update_freq_2(runs, testkit, tmp_path)
     assert [rows for _, _, rows in accum_batches] != unshuffled
     assert_same_stats(ranks.stats(), accum.stats(), "shuffled: 2 ranks vs --update-freq 2")
     assert max_param_diff(ranks.params(), accum.params()) < TOL
+
+
+def test_two_ranks_resume_where_every_rank_loads_the_checkpoint(translation_bin, testkit,
+                                                                tmp_path):
+    """Resuming on 2 processes. fairseq's default has process 0 load the checkpoint and send
+    it to the others (``broadcast_object``: ``torch.save`` there, ``torch.load`` here), and
+    from torch 2.6 on that ``torch.load`` (weights only) refuses the config it holds; with
+    ``--load-checkpoint-on-all-dp-ranks``, which the recipe scripts pass on several GPUs,
+    each process reads the checkpoint itself and training goes on from the update it
+    stopped at."""
+    import io
+    import pickle
+
+    from fairseq import checkpoint_utils
+
+    from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
+
+    allow_fairseq_checkpoint_globals()  # as the plugin does in fairseq's processes
+    save, b = tmp_path / "ranks", str(BATCH)
+    train_ranks(testkit, translation_bin, "translation", save, "--batch-size", b, *NO_SHUFFLE,
+                "--max-update", "2")
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 6):
+        # what the other processes receive from process 0 by default
+        sent = io.BytesIO()
+        torch.save(checkpoint_utils.load_checkpoint_to_cpu(str(save / "checkpoint_last.pt")),
+                   sent)
+        sent.seek(0)
+        with pytest.raises(pickle.UnpicklingError, match="omegaconf.dictconfig.DictConfig"):
+            torch.load(sent, map_location="cpu")
+    done = launch_ranks(lambda rank, init: train_cmd(
+        testkit, translation_bin, "translation", save, "--batch-size", b, *NO_SHUFFLE,
+        "--load-checkpoint-on-all-dp-ranks", *rank_args(rank, init, 2, "legacy_ddp")),
+        tmp_path, env())
+    for proc in done:
+        check_ok(proc)
+    log = done[0].stdout + done[0].stderr
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 2 updates\)", log)
+    assert [int(s["num_updates"]) for s in parse_stats(log)["train_inner"]] == [3, 4]
