@@ -74,14 +74,8 @@ train() {
   fi
   [ "$MODE" != rdrop ] || mode_args+=(--alpha "$alpha")
   mode_args+=(--warmup "${WARMUP:-0.06}")
-  local device_args=()
-  if [ "$GPUS" = 0 ]; then
-    device_args=(--use_cpu)
-  elif [ "${BF16:-0}" = 1 ]; then
-    device_args=(--bf16)
-  elif [ "${FP16:-1}" = 1 ]; then
-    device_args=(--fp16)  # as the authors' run.sh
-  fi
+  # fp16 on GPUs as the authors' run.sh
+  trainer_device_args
   say "batch: 1 device x $UPDATE_FREQ steps x $batch_size sentences" \
       "= $(( batch_size * UPDATE_FREQ )) sentences per update (the paper's: $BATCH)"
   # the paper's optimiser (Adam, betas 0.9 / 0.98, eps 1e-6, weight decay 0.01, lr 1e-5) and
@@ -93,7 +87,7 @@ train() {
       --output_dir "$SAVE_DIR" --seed "$SEED" --max_steps "${MAX_UPDATE:-$PAPER_MAX_UPDATE}" \
       --per_device_train_batch_size "$batch_size" --gradient_accumulation_steps "$UPDATE_FREQ" \
       --learning_rate 1e-5 --adam_beta1 0.9 --adam_beta2 0.98 --adam_epsilon 1e-6 \
-      --weight_decay 0.01 "${device_args[@]}" "${EXTRA[@]}"
+      --weight_decay 0.01 "${HF_DEVICE_ARGS[@]}" "${EXTRA[@]}"
 }
 
 evaluate() {

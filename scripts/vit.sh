@@ -102,14 +102,8 @@ train() {
     say "AUTHORS_CODE=1: alpha = 0.6 x $DEVICE_BATCH images per device = $alpha"
   fi
   [ "$MODE" != rdrop ] || mode_args+=(--alpha "$alpha")
-  local device_args=()
-  if [ "$GPUS" = 0 ]; then
-    device_args=(--use_cpu)
-  elif [ "${BF16:-0}" = 1 ]; then
-    device_args=(--bf16)
-  elif [ "${FP16:-1}" = 1 ]; then
-    device_args=(--fp16)  # as the authors' ViT code offers (apex AMP, O2)
-  fi
+  # fp16 on GPUs as the authors' ViT code offers (apex AMP, O2)
+  trainer_device_args
   # one process per GPU (torchrun); one GPU or the CPU: this process
   local launch=("$PYTHON")
   if (( DEVICES > 1 )); then
@@ -129,7 +123,7 @@ train() {
       --per_device_train_batch_size "$DEVICE_BATCH" --gradient_accumulation_steps "$UPDATE_FREQ" \
       --learning_rate "${SET[lr]}" --lr_scheduler_type "${SET[schedule]}" \
       --warmup_steps "${SET[warmup]}" --weight_decay "${SET[weight_decay]}" \
-      --max_grad_norm "${SET[clip]}" "${device_args[@]}" "${EXTRA[@]}"
+      --max_grad_norm "${SET[clip]}" "${HF_DEVICE_ARGS[@]}" "${EXTRA[@]}"
 }
 
 evaluate() {

@@ -73,6 +73,20 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help: the options)\n")
 
 
+def run_stage(a, parser, prepare, train, evaluate, data_error):
+    """The stage ``a.stage`` of a Hugging Face recipe module (glue_bert, vit): ``prepare(a)``,
+    ``train(a, parser)`` or ``evaluate(a)``; an error in the data (``data_error``) ends the
+    run in one line."""
+    try:
+        if a.stage == "prepare":
+            return prepare(a)
+        if a.stage == "train":
+            return train(a, parser)
+        return evaluate(a)
+    except data_error as e:
+        sys.exit(f"error: {e}")
+
+
 def need(parser, flag, path, advice):
     """Stop, in one line (``parser.error``), unless the file ``path`` (``flag``'s) exists,
     saying what makes it as the recipe scripts do (``run: bash scripts/iwslt14.sh prepare``,

@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 from . import prepare_glue
-from .common import ArgumentParser, made_or_removed, need, one_pass_trainer, write_json
+from .common import (ArgumentParser, made_or_removed, need, one_pass_trainer, run_stage,
+                     write_json)
 from .evaluate_glue import METRICS, scored
 
 MAX_LENGTH = 128  # run_glue's max_seq_length
@@ -305,14 +306,7 @@ def parse_args(argv):
 
 def main(argv=None):
     a, parser = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        if a.stage == "prepare":
-            return prepare(a)
-        if a.stage == "train":
-            return train(a, parser)
-        return evaluate(a)
-    except prepare_glue.GlueDataError as e:
-        sys.exit(f"error: {e}")
+    return run_stage(a, parser, prepare, train, evaluate, prepare_glue.GlueDataError)
 
 
 if __name__ == "__main__":

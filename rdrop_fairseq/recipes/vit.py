@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from . import vit_data
-from .common import ArgumentParser, need, one_pass_trainer, write_json
+from .common import ArgumentParser, need, one_pass_trainer, run_stage, write_json
 
 DATASETS = {"cifar100": "CIFAR-100", "imagenet": "ImageNet"}
 MODES = ("rdrop", "no-kl", "baseline", "doubled-batch")
@@ -306,14 +306,7 @@ def parse_args(argv):
 
 def main(argv=None):
     a, parser = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        if a.stage == "prepare":
-            return prepare(a)
-        if a.stage == "train":
-            return train(a, parser)
-        return evaluate(a)
-    except vit_data.ImageDataError as e:
-        sys.exit(f"error: {e}")
+    return run_stage(a, parser, prepare, train, evaluate, vit_data.ImageDataError)
 
 
 if __name__ == "__main__":

@@ -203,6 +203,18 @@ sys.exit(torch.cuda.device_count() < $GPUS)" 2>/dev/null; then
   fi
 }
 
+# trainer_device_args: HF_DEVICE_ARGS, Hugging Face TrainingArguments' flags for the device
+# and precision detect_devices chose (--use_cpu on the CPU; --bf16 or --fp16 on GPUs, as
+# PRECISION says): the Hugging Face recipes' counterpart of DEVICE_ARGS.
+trainer_device_args() {
+  case ${PRECISION:-} in
+    "") HF_DEVICE_ARGS=(--use_cpu) ;;
+    bf16) HF_DEVICE_ARGS=(--bf16) ;;
+    fp16) HF_DEVICE_ARGS=(--fp16) ;;
+    *) HF_DEVICE_ARGS=() ;;
+  esac
+}
+
 # MODE: rdrop (the paper's alpha, or ALPHA), baseline (alpha 0: exactly fairseq's parent
 # criterion), no-kl (alpha 0, two passes: appendix C.2), doubled-batch (the baseline with
 # twice the batch: R-Drop's compute without the KL, appendix C.1). $1: the paper's alpha.
