@@ -3,7 +3,8 @@ trainers, :func:`rdrop_fairseq.hf.rdrop_hf_loss` and the plain-PyTorch functions
 
 * :func:`non_negative`: alpha and the chunk budget, finite numbers >= 0;
 * :func:`check_impl`: the implementation (:data:`IMPLS`), and whether this run can use it;
-* :func:`has_dropout`: whether the model's two passes can differ at all.
+* :func:`has_dropout`: whether the model's two passes can differ at all;
+* :func:`check_every` and :func:`runs_rdrop`: R-Drop on one optimizer update in K.
 
 Each caller passes the option's name as its user typed it (``--rdrop-impl``, ``rdrop_impl``,
 ``impl``), so that an error names what to change. Nothing here imports fairseq or
@@ -15,7 +16,7 @@ import os
 
 import torch
 
-__all__ = ["IMPLS", "non_negative", "check_impl", "has_dropout"]
+__all__ = ["IMPLS", "non_negative", "check_impl", "has_dropout", "check_every", "runs_rdrop"]
 
 # the implementations of the fused loss: "auto" is the Triton kernel on CUDA (where triton
 # imports and the kernel runs), the chunked torch ops elsewhere
@@ -34,6 +35,29 @@ def non_negative(value, option=None, advice=""):
         name = f"{option} " if option else ""
         raise ValueError(f"{name}must be a finite number >= 0, got {value}{advice}")
     return number
+
+
+def check_every(value, option=None):
+    """``value``, R-Drop's period in optimizer updates, as an int >= 1; a ValueError
+    ``"{option} must be a whole number >= 1 (...), got {value!r}"`` where it is not (a bool,
+    2.5, 0). Without ``option`` the message starts at "must" (argparse names the flag)."""
+    try:
+        whole = not isinstance(value, bool) and float(value) == int(value)
+        every = int(value) if whole else None
+    except (TypeError, ValueError, OverflowError):
+        every = None
+    if every is None or every < 1:
+        name = f"{option} " if option else ""
+        raise ValueError(f"{name}must be a whole number >= 1 (R-Drop on one update in K; 1: "
+                         f"every update), got {value!r}")
+    return every
+
+
+def runs_rdrop(update, every):
+    """Whether optimizer update number ``update`` (0, 1, ...: the same number for every
+    micro-batch of an update and on every process) runs R-Drop when it runs on one update
+    in ``every``: the updates 0, K, 2K, ... A Python int: nothing waits for the GPU."""
+    return every == 1 or update % every == 0
 
 
 def _spelled(option, value):

@@ -11,6 +11,7 @@ field of :class:`RDropConfig` plus its use here.
 """
 
 import argparse
+import functools
 import logging
 import math
 from dataclasses import dataclass, field, fields
@@ -27,7 +28,7 @@ from omegaconf import II
 
 from ..core import RDropBatchError, duplicate_net_input, rdrop_loss
 from ..fused_linear import fused_linear_rdrop_loss
-from ..options import IMPLS, check_impl, has_dropout, non_negative
+from ..options import IMPLS, check_every, check_impl, has_dropout, non_negative, runs_rdrop
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,15 @@ class RDropConfig(FairseqDataclass):
             "the logits after the loss; without it, such a reader sees the gradient"
         },
     )
+    rdrop_every: int = field(
+        default=1,
+        metadata={
+            "help": "R-Drop on one optimizer update in K (the paper's k-step R-Drop): updates "
+            "0, K, 2K, ... run both passes and the R-Drop loss, the others one pass and the "
+            "parent criterion's own loss. Decided per update: every --update-freq batch and "
+            "every process agree, and a resumed run keeps the schedule. 1: every update"
+        },
+    )
     # --cpu (common), to refuse --rdrop-impl triton when the criterion is built
     cpu: bool = II("common.cpu")
 
@@ -110,14 +120,44 @@ def checked_while_parsing(flag):
     fairseq-train parses its options (before it makes the save dir)."""
 
     def parse(value):
-        float(value)  # not a number: argparse's own "invalid float value"
+        if flag == "--rdrop-every":
+            check = check_every
+        else:
+            float(value)  # not a number: argparse's own "invalid float value"
+            check = functools.partial(non_negative, advice=NON_NEGATIVE[flag])
         try:  # argparse names the flag itself
-            return non_negative(value, advice=NON_NEGATIVE[flag])
+            return check(value)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
 
-    parse.__name__ = "float"  # what argparse and --help call the type
+    # what argparse and --help call the type
+    parse.__name__ = "int" if flag == "--rdrop-every" else "float"
     return parse
+
+
+def record_update_numbers():
+    """Let the criteria know which update a training step belongs to, for --rdrop-every.
+
+    fairseq's tasks call ``model.set_num_updates(update_num)`` before the criterion in every
+    training step (``FairseqTask.train_step``; AttendOut's task too), with the trainer's
+    count of optimizer updates: the same for every micro-batch of an update and on every
+    process, and restored from the checkpoint on resume. This wraps
+    ``BaseFairseqModel.set_num_updates`` to remember it as ``model.rdrop_num_updates``
+    (idempotent; nothing else changes)."""
+    original = BaseFairseqModel.set_num_updates
+    if getattr(original, "rdrop_records", False):
+        return
+
+    @functools.wraps(original)
+    def set_num_updates(self, num_updates):
+        self.rdrop_num_updates = num_updates
+        original(self, num_updates)
+
+    set_num_updates.rdrop_records = True
+    BaseFairseqModel.set_num_updates = set_num_updates
+
+
+record_update_numbers()
 
 
 # the criteria whose loss --rdrop-fused-linear can compute from the features
@@ -135,7 +175,7 @@ class RDropCriterionMixin:
         """The options of the criterion's config, as fairseq adds them (parse_args_and_arch),
         with --rdrop-alpha and --rdrop-chunk-mb checked as they are parsed."""
         super().add_args(parser)
-        for flag in NON_NEGATIVE:
+        for flag in (*NON_NEGATIVE, "--rdrop-every"):
             action = parser._option_string_actions.get(flag)
             if action is not None:
                 action.type = checked_while_parsing(flag)
@@ -149,9 +189,10 @@ class RDropCriterionMixin:
 
     def init_rdrop(self, parent_name, rdrop_alpha=0.0, rdrop_two_passes=False,
                    rdrop_chunk_mb=0.0, rdrop_impl="auto", rdrop_fused_linear=False,
-                   rdrop_keep_logits=False, cpu=False):
+                   rdrop_keep_logits=False, rdrop_every=1, cpu=False):
         # checked again here for a config not parsed by fairseq-train (hydra, Python)
         alpha = checked("--rdrop-alpha", rdrop_alpha)
+        self.rdrop_every = check_every(rdrop_every, "--rdrop-every")
         chunk_mb = checked("--rdrop-chunk-mb", rdrop_chunk_mb)
         # refused here rather than at the first step (which would leave a crash.pt);
         # Triton's interpreter runs the kernel on CPU tensors, for the tests
@@ -183,8 +224,29 @@ class RDropCriterionMixin:
     def forward(self, model, sample, reduce=True):
         if not self.rdrop_active(model):
             return super().forward(model, sample, reduce=reduce)
-        self.check_reduce(reduce)
-        return self.rdrop_forward(model, sample)
+        two_passes = self.rdrop_update(model)
+        if two_passes:
+            self.check_reduce(reduce)
+            loss, sample_size, logging_output = self.rdrop_forward(model, sample)
+        else:  # --rdrop-every: an update without R-Drop, the parent's own loss
+            loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
+        logging_output["rdrop_update"] = int(two_passes)
+        return loss, sample_size, logging_output
+
+    def rdrop_update(self, model):
+        """Whether this training step's update runs R-Drop: the updates numbered 0, K, 2K,
+        ... for --rdrop-every K (fairseq numbers them from 0; a Python int, no GPU sync)."""
+        if self.rdrop_every == 1:
+            return True
+        update = getattr(model, "rdrop_num_updates", None)
+        if update is None:
+            raise RuntimeError(
+                f"--rdrop-every {self.rdrop_every} needs the number of the update being "
+                "trained, which fairseq's tasks give the model (model.set_num_updates("
+                "update_num)) before the criterion; this step's model was never given it: "
+                "call model.set_num_updates(n) before the criterion, or use --rdrop-every 1"
+            )
+        return runs_rdrop(update, self.rdrop_every)
 
     def rdrop_forward(self, model, sample):
         """The two-pass training forward: fairseq's ``(loss, sample_size, logging_output)``."""
@@ -252,39 +314,11 @@ class RDropCriterionMixin:
             net_output = model(**pair["net_input"])
         # one pass's target: the loss pairs the passes itself (no [t; t] copy)
         target = model.get_targets(sample, net_output)
-        keep = None
-        prefix = getattr(self, "ignore_prefix_size", 0)
-        if prefix > 0:  # masked rather than sliced: slicing would copy the logits
-            keep = torch.ones_like(target, dtype=torch.bool)
-            keep[:, :prefix] = False
+        keep = self.kept_positions(target)
         logging_output = {}
         report_accuracy = getattr(self, "report_accuracy", False)
-        if self.rdrop_fused_linear:
-            projection = fused_output_projection(model)
-            predicted = (torch.empty((2, target.numel()), dtype=torch.long, device=target.device)
-                         if report_accuracy else None)
-            out = fused_linear_rdrop_loss(
-                net_output[0], projection.weight, target, bias=projection.bias,
-                alpha=self.rdrop_alpha, epsilon=epsilon, ignore_index=self.padding_idx,
-                keep=keep, chunk_mb=self.rdrop_chunk_mb, predictions=predicted,
-                impl=self.rdrop_impl)
-        else:
-            if uses_stock_log_softmax(model):
-                scores, log_probs = net_output[0], False
-            else:
-                if not self._fallback_logged:
-                    self._fallback_logged = True
-                    logger.info(
-                        "R-Drop: this model normalises its output itself, so the fused loss "
-                        "starts from its log-probabilities (float32, 2N x V) rather than logits"
-                    )
-                scores, log_probs = model.get_normalized_probs(net_output, log_probs=True), True
-            # before the loss, which may write the gradient into the logits' buffer
-            predicted = scores.argmax(-1) if report_accuracy else None
-            # unless --rdrop-keep-logits, the logits' buffer may take the gradient
-            out = self.rdrop_loss(scores, target, epsilon=epsilon, ignore_index=self.padding_idx,
-                                  keep=keep, log_probs=log_probs,
-                                  grad_in_scores=self.grad_in_logits)
+        loss_path = self.fused_linear_path if self.rdrop_fused_linear else self.logits_path
+        out, predicted = loss_path(model, net_output, target, keep, epsilon, report_accuracy)
         if report_accuracy:
             mask = target.ne(self.padding_idx) if keep is None else target.ne(self.padding_idx) & keep
             predicted = predicted.view(2, *target.shape)
@@ -301,6 +335,50 @@ class RDropCriterionMixin:
         })
         return out.total, sample_size, logging_output
 
+    def kept_positions(self, target):
+        """Where ``--ignore-prefix-size`` leaves the target in the loss (None: everywhere),
+        masked rather than sliced: slicing would copy the logits."""
+        prefix = getattr(self, "ignore_prefix_size", 0)
+        if prefix <= 0:
+            return None
+        keep = torch.ones_like(target, dtype=torch.bool)
+        keep[:, :prefix] = False
+        return keep
+
+    def fused_linear_path(self, model, net_output, target, keep, epsilon, report_accuracy):
+        """``--rdrop-fused-linear``: the loss from the decoder's features and its output
+        projection, a chunk at a time, without the logits. ``(loss, predictions)``, the
+        predictions of both passes where accuracy is reported."""
+        projection = fused_output_projection(model)
+        predicted = (torch.empty((2, target.numel()), dtype=torch.long, device=target.device)
+                     if report_accuracy else None)
+        out = fused_linear_rdrop_loss(
+            net_output[0], projection.weight, target, bias=projection.bias,
+            alpha=self.rdrop_alpha, epsilon=epsilon, ignore_index=self.padding_idx,
+            keep=keep, chunk_mb=self.rdrop_chunk_mb, predictions=predicted,
+            impl=self.rdrop_impl)
+        return out, predicted
+
+    def logits_path(self, model, net_output, target, keep, epsilon, report_accuracy):
+        """The loss from the model's logits (from its log-probabilities where it normalises
+        its output itself). ``(loss, predictions)`` as :meth:`fused_linear_path`."""
+        if uses_stock_log_softmax(model):
+            scores, log_probs = net_output[0], False
+        else:
+            if not self._fallback_logged:
+                self._fallback_logged = True
+                logger.info(
+                    "R-Drop: this model normalises its output itself, so the fused loss "
+                    "starts from its log-probabilities (float32, 2N x V) rather than logits"
+                )
+            scores, log_probs = model.get_normalized_probs(net_output, log_probs=True), True
+        # before the loss, which may write the gradient into the logits' buffer
+        predicted = scores.argmax(-1) if report_accuracy else None
+        # unless --rdrop-keep-logits, the logits' buffer may take the gradient
+        out = self.rdrop_loss(scores, target, epsilon=epsilon, ignore_index=self.padding_idx,
+                              keep=keep, log_probs=log_probs, grad_in_scores=self.grad_in_logits)
+        return out, predicted
+
     @staticmethod
     def check_reduce(reduce):
         if not reduce:
@@ -311,7 +389,13 @@ class RDropCriterionMixin:
 
     @staticmethod
     def reduce_rdrop_metrics(logging_outputs):
-        """Log the consistency term per sample (per token with fairseq's default), base 2."""
+        """Log the consistency term per sample (per token with fairseq's default), base 2,
+        over the updates that ran R-Drop only, and how many training updates did
+        (``rdrop_updates``, a sum over the logged interval or epoch). fairseq reduces the
+        logs of one update at a time: its micro-batches and processes all agree."""
+        if any("rdrop_update" in log for log in logging_outputs):
+            ran = utils.item(sum(log.get("rdrop_update", 0) for log in logging_outputs)) > 0
+            metrics.log_scalar_sum("rdrop_updates", int(ran), priority=900, round=0)
         sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
         for key in CONSISTENCY_KEYS:
             if any(key in log for log in logging_outputs):
