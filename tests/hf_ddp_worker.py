@@ -17,15 +17,18 @@ from transformers import TrainerCallback, TrainingArguments
 from rdrop_fairseq import hf
 from tests.tiny_hf_models import Unscaled, causal, classifier, examples, seq2seq
 
-# a case: the model, the fused path or not, gradient accumulation steps, and
-# TrainingArguments besides the worker's
-Case = namedtuple("Case", "make fused accumulation extra", defaults=({},))
+# a case: the model, the fused path or not, gradient accumulation steps, TrainingArguments
+# besides the worker's, and rdrop_every
+Case = namedtuple("Case", "make fused accumulation extra every", defaults=({}, 1))
 CASES = {"causal": Case(causal, False, 1), "causal-fused": Case(causal, True, 1),
          "causal-accumulated": Case(causal, False, 2), "seq2seq-fused": Case(seq2seq, True, 1),
          "classifier": Case(classifier, False, 1), "unscaled": Case(causal, False, 1),
          # each process divides by its own count, as the Trainer does: rank r takes the
          # examples 2r and 2r + 1 in order
-         "causal-own-counts": Case(causal, False, 1, {"average_tokens_across_devices": False})}
+         "causal-own-counts": Case(causal, False, 1, {"average_tokens_across_devices": False}),
+         # rdrop_every 2: update 0 runs R-Drop, update 1 (the gradient saved last: the
+         # learning rate is 0) one pass; every micro-batch and both processes must agree
+         "causal-every-2": Case(causal, False, 2, {"max_steps": 2}, 2)}
 
 
 class SaveGradient(TrainerCallback):
@@ -47,7 +50,7 @@ class InOrder(hf.RDropTrainer):
 
 
 def run(folder, case):
-    make, fused, accumulation, extra = CASES[case]
+    make, fused, accumulation, extra, every = CASES[case]
     processes = int(os.environ.get("WORLD_SIZE", 1))
     args = TrainingArguments(**{
         "output_dir": os.path.join(folder, case), "use_cpu": True, "report_to": "none",
@@ -64,7 +67,7 @@ def run(folder, case):
         trainer = {"unscaled": Unscaled, "causal-own-counts": InOrder}.get(
             case, hf.RDropTrainer)(
             model=model, args=args, train_dataset=examples(make.__name__),
-            rdrop_alpha=1.0, rdrop_fused_linear=fused,
+            rdrop_alpha=1.0, rdrop_fused_linear=fused, rdrop_every=every,
             callbacks=[SaveGradient(os.path.join(folder, f"{case}.pt"))])
         trainer.train()
         loss = trainer.evaluate(examples(make.__name__))["eval_loss"]

@@ -37,7 +37,7 @@ model. This module gives their public names.
 
 from ..core import RDropBatchError
 from .kind import model_kind
-from .loss import RDropHFLoss, doubled_batch, labelled_items, rdrop_hf_loss
+from .loss import RDropHFLoss, doubled_batch, labelled_items, plain_hf_loss, rdrop_hf_loss
 from .trainers import (TRANSFORMERS_RANGE, RDropMixin, RDropOptions, RDropSeq2SeqTrainer,
                        RDropTrainer, check_transformers_version, declare_loss_scaling,
                        warmup_arguments)
@@ -45,4 +45,4 @@ from .trainers import (TRANSFORMERS_RANGE, RDropMixin, RDropOptions, RDropSeq2Se
 __all__ = ["RDropMixin", "RDropTrainer", "RDropSeq2SeqTrainer", "rdrop_hf_loss", "model_kind",
            "labelled_items", "declare_loss_scaling", "warmup_arguments", "TRANSFORMERS_RANGE",
            "RDropHFLoss", "RDropOptions", "RDropBatchError", "doubled_batch",
-           "check_transformers_version"]
+           "check_transformers_version", "plain_hf_loss"]

@@ -12,16 +12,18 @@ waiting); the sum is divided by the labelled items of one pass (:func:`labelled_
 import contextvars
 import math
 from collections import namedtuple
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
 from ..core import RDropBatchError, duplicate_net_input, mse_consistency, rdrop_loss
 from ..fused_linear import fused_linear_rdrop_loss
+from ..options import check_every, runs_rdrop
 from .model import (IGNORE_INDEX, head_module, logits_bias, logits_of, router_loss, takes,
                     unwrap)
 
-__all__ = ["RDropHFLoss", "rdrop_hf_loss", "labelled_items", "doubled_batch",
+__all__ = ["RDropHFLoss", "rdrop_hf_loss", "plain_hf_loss", "labelled_items", "doubled_batch",
            "decoder_inputs", "FusedHead"]
 
 # Batch entries that hold images or videos in the order they appear in the batch (Qwen-VL's
@@ -61,7 +63,7 @@ def labelled_items(labels, causal=False):
 def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
                   num_items_in_batch=None, world_size=1, impl="auto", fused_linear=False,
                   chunk_mb=0.0, grad_in_scores="auto", check_labels=False, accuracy=False,
-                  accumulation_steps=1):
+                  accumulation_steps=1, every=1, update=None):
     """R-Drop's training loss of one batch of a Hugging Face model (the trainers' own code),
     for a loop of your own::
 
@@ -87,7 +89,22 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     device without waiting. ``accuracy``: also count the labelled items whose highest logit
     is the label (``correct``) and, through the logits, sum their entropy (one more pass
     over the logits, a chunk of rows at a time). With every dropout off the two passes are
-    the same and the KL is 0."""
+    the same and the KL is 0.
+
+    ``every``: R-Drop on one optimizer update in K (the updates 0, K, 2K, ...); the others
+    are :func:`plain_hf_loss`'s one pass. ``update`` is then required: the number of the
+    optimizer update this batch belongs to, counted from 0 (a Trainer's
+    ``state.global_step``), the same for every micro-batch of the update and on every
+    process, and carried on across a resume."""
+    if every != 1:
+        every = check_every(every, "every")
+        if update is None:
+            raise ValueError(f"rdrop_hf_loss: every={every} needs update=, the number of the "
+                             "optimizer update this batch belongs to (0, 1, ...; the same for "
+                             "every micro-batch of one update and on every process)")
+        if not runs_rdrop(update, every):
+            return plain_hf_loss(model, inputs, kind=kind, label_smoothing=label_smoothing,
+                                 num_items_in_batch=num_items_in_batch, world_size=world_size)
     labels = _checked_labels(inputs)
     doubled = doubled_batch(_model_inputs(model, inputs, labels, kind), labels.size(0))
     # a causal LM predicts token t+1 at position t: the target of t is labels[t + 1]
@@ -106,6 +123,46 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     # each pass's router loss, as the model's own loss adds it
     loss = loss + 2 * router_loss(model, got.outputs) / accumulation_steps
     return RDropHFLoss(loss, got.outputs, got.nll, got.kl, items, got.correct, got.entropy)
+
+
+def plain_hf_loss(model, inputs, *, kind, label_smoothing=0.0, num_items_in_batch=None,
+                  world_size=1):
+    """An update without R-Drop (:func:`rdrop_hf_loss`'s ``every``): the batch through the
+    model once, with its labels, and the model's own loss; with ``label_smoothing``,
+    Hugging Face's label smoother over the logits (what the Trainer computes then).
+
+    Normalised as R-Drop's loss is, so that the two kinds of update add up alike under
+    gradient accumulation and several processes: the model's mean times this batch's
+    labelled items over ``num_items_in_batch`` (if given), times ``world_size``. With one
+    process and no accumulation it is the model's own loss, exactly; an R-Drop update
+    counts both passes, so at alpha 0 it is twice this. Returns an :data:`RDropHFLoss`
+    whose ``nll`` is the one pass's (summed over its labelled items), ``kl`` 0, ``outputs``
+    the model's for the batch itself."""
+    labels = _checked_labels(inputs)
+    features = dict(inputs)
+    if takes(model, "use_cache"):
+        features.setdefault("use_cache", False)
+    outputs = model(**features)
+    if label_smoothing:
+        from transformers.trainer_pt_utils import LabelSmoother
+
+        mean = LabelSmoother(epsilon=label_smoothing)(outputs, labels,
+                                                       shift_labels=kind == "causal")
+    else:
+        mean = outputs.get("loss") if isinstance(outputs, Mapping) else None
+        if mean is None:
+            raise RDropBatchError(
+                f"{type(unwrap(model)).__name__} returned no loss for a batch with labels: an "
+                "update without R-Drop (every > 1) trains on the model's own loss")
+    items = labelled_items(labels, causal=kind == "causal")
+    loss = mean
+    if num_items_in_batch is not None:  # the ratio first: 1.0 exactly for one batch
+        loss = mean * (items / torch.as_tensor(num_items_in_batch, device=items.device)
+                       .clamp_min(1))
+    if world_size != 1:
+        loss = loss * world_size
+    zero = mean.detach().new_zeros(())
+    return RDropHFLoss(loss, outputs, mean.detach() * items, zero, items, None, None)
 
 
 def _checked_labels(inputs):

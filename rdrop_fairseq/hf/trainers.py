@@ -15,7 +15,7 @@ from packaging.version import Version
 from transformers import Seq2SeqTrainer, Trainer
 
 from ..core import RDropBatchError
-from ..options import check_impl, has_dropout, non_negative
+from ..options import check_every, check_impl, has_dropout, non_negative, runs_rdrop
 from .kind import kinds_read_from_loss, model_kind
 from .loss import labelled_items, rdrop_hf_loss
 from .model import KINDS, unwrap
@@ -69,7 +69,8 @@ class RDropOptions:
     made: ``alpha`` a finite number >= 0 (0: both passes, no consistency term); ``impl``
     one of :data:`~rdrop_fairseq.options.IMPLS` that this run can use; ``chunk_mb`` the
     fused path's chunk budget (MiB, 0 automatic); ``model_kind`` ``auto`` or one of
-    :data:`~rdrop_fairseq.hf.model.KINDS`. ``use_cpu``: the Trainer's, for the impl check."""
+    :data:`~rdrop_fairseq.hf.model.KINDS`; ``every`` R-Drop on one optimizer update in K, a
+    whole number >= 1. ``use_cpu``: the Trainer's, for the impl check."""
 
     alpha: float = 1.0
     impl: str = "auto"
@@ -77,6 +78,7 @@ class RDropOptions:
     chunk_mb: float = 0.0
     model_kind: str = "auto"
     use_cpu: dataclasses.InitVar[bool] = False
+    every: int = 1
 
     def __post_init__(self, use_cpu):
         self.alpha = non_negative(self.alpha, "rdrop_alpha", "; use 0 to train on both passes "
@@ -84,6 +86,7 @@ class RDropOptions:
         self.impl = check_impl(self.impl, "rdrop_impl", "use_cpu" if use_cpu else None)
         self.fused_linear = bool(self.fused_linear)
         self.chunk_mb = non_negative(self.chunk_mb, "rdrop_chunk_mb", " (MiB; 0 = automatic)")
+        self.every = check_every(self.every, "rdrop_every")
         if self.model_kind not in ("auto", *KINDS):
             raise ValueError(f"rdrop_model_kind must be 'auto' or one of {', '.join(KINDS)}, "
                              f"got {self.model_kind!r}")
@@ -122,6 +125,23 @@ class LogSums:
         return sums.tolist()
 
 
+class UpdateCount:
+    """The optimizer updates since the last log that ran R-Drop, counted on the host (each
+    update once, however many micro-batches it has; every process counts the same)."""
+
+    def __init__(self):
+        self.count, self.last = 0, None
+
+    def add(self, update, two_passes):
+        if two_passes and update != self.last:
+            self.count += 1
+        self.last = update
+
+    def take(self):
+        count, self.count = self.count, 0
+        return count
+
+
 class RDropMixin:
     """R-Drop's training loss for a ``transformers.Trainer`` subclass: put it first,
     ``class RDropSFTTrainer(RDropMixin, SFTTrainer): pass``.
@@ -133,20 +153,24 @@ class RDropMixin:
     states and the output embedding, a chunk at a time, so that the 2N x V logits are never
     made), ``rdrop_chunk_mb`` (the fused path's chunk budget, MiB; 0 automatic) and
     ``rdrop_model_kind`` (``auto``: read from the model,
-    :func:`~rdrop_fairseq.hf.kind.model_kind`; or ``causal``, ``seq2seq``, ``encoder``);
-    they are kept, checked, in ``trainer.rdrop`` (:class:`RDropOptions`), and
+    :func:`~rdrop_fairseq.hf.kind.model_kind`; or ``causal``, ``seq2seq``, ``encoder``),
+    ``rdrop_every`` (R-Drop on the optimizer updates 0, K, 2K, ... only, the others one
+    pass with the model's own loss, :func:`~rdrop_fairseq.hf.loss.plain_hf_loss`; default 1:
+    every update); they are kept, checked, in ``trainer.rdrop`` (:class:`RDropOptions`), and
     ``trainer.rdrop_alpha`` may be changed between steps. Logged at ``logging_steps``
     besides ``loss``: ``rdrop_ce`` (the cross-entropy of one pass per labelled item,
-    comparable with ``eval_loss``) and ``rdrop_kl``. Anything it cannot train is refused
-    when the trainer is made.
+    comparable with ``eval_loss``) and ``rdrop_kl``, over the updates that ran R-Drop, and
+    ``rdrop_updates``, how many of the updates since the last log did. Anything it cannot
+    train is refused when the trainer is made.
     """
 
     def __init__(self, *args, rdrop_alpha=1.0, rdrop_impl="auto", rdrop_fused_linear=False,
-                 rdrop_chunk_mb=0.0, rdrop_model_kind="auto", **kwargs):
+                 rdrop_chunk_mb=0.0, rdrop_model_kind="auto", rdrop_every=1, **kwargs):
         check_transformers_version()
         model, training_args = _model_and_args(super().__init__, args, kwargs)
         self.rdrop = RDropOptions(rdrop_alpha, rdrop_impl, rdrop_fused_linear, rdrop_chunk_mb,
-                                  rdrop_model_kind, getattr(training_args, "use_cpu", False))
+                                  rdrop_model_kind, getattr(training_args, "use_cpu", False),
+                                  rdrop_every)
         self._rdrop_smoothing = float(getattr(training_args, "label_smoothing_factor", 0.0) or 0)
         _check_training_arguments(type(self).__name__, training_args)
         if model is not None:
@@ -164,6 +188,7 @@ class RDropMixin:
                              f"this model or TrainingArguments.label_names names {self.label_names}")
         self._first_batch_checked = False
         self._rdrop_log = LogSums()
+        self._rdrop_updates = UpdateCount()
         # TRL's trainers log their training metrics from _metrics: token accuracy, the tokens
         # seen and, through the logits, the entropy are given to them
         self._rdrop_trl_metrics = isinstance(getattr(self, "_metrics", None), Mapping)
@@ -179,6 +204,7 @@ class RDropMixin:
 
     def train(self, *args, **kwargs):
         self._rdrop_log = LogSums()  # nothing from an earlier train() in the first log
+        self._rdrop_updates = UpdateCount()
         return super().train(*args, **kwargs)
 
     def call_model_init(self, trial=None):
@@ -243,7 +269,11 @@ class RDropMixin:
             if self.args.average_tokens_across_devices and self.args.world_size > 1:
                 # the count is over all processes (get_batch_samples); DDP averages gradients
                 world_size = self.args.world_size
-        if not self._first_batch_checked and self.rdrop.model_kind != "auto":
+        # the update this micro-batch belongs to: global_step counts the updates made, the
+        # same in every micro-batch of one update and on every process, restored on resume
+        update = self.state.global_step
+        two_passes = runs_rdrop(update, self.rdrop.every)
+        if two_passes and not self._first_batch_checked and self.rdrop.model_kind != "auto":
             self._rdrop_check_stated_kind(model, inputs)
         result = rdrop_hf_loss(
             model, inputs, kind=self._rdrop_kind, alpha=self.rdrop.alpha,
@@ -251,9 +281,11 @@ class RDropMixin:
             world_size=world_size, impl=self.rdrop.impl, fused_linear=self.rdrop.fused_linear,
             chunk_mb=self.rdrop.chunk_mb, grad_in_scores=False if return_outputs else "auto",
             check_labels=not self._first_batch_checked, accuracy=self._rdrop_trl_metrics,
-            accumulation_steps=accumulation)
-        self._first_batch_checked = True
-        self._rdrop_log.add(result, inputs)
+            accumulation_steps=accumulation, every=self.rdrop.every, update=update)
+        if two_passes:  # the R-Drop figures are those of the updates that ran it
+            self._first_batch_checked = True
+            self._rdrop_log.add(result, inputs)
+        self._rdrop_updates.add(update, two_passes)
         return (result.loss, result.outputs) if return_outputs else result.loss
 
     def log(self, logs, *args, **kwargs):
@@ -263,6 +295,7 @@ class RDropMixin:
         sums = None
         if "loss" in logs:
             sums = self._rdrop_log.take(self.accelerator if self.args.world_size > 1 else None)
+            logs = {**logs, "rdrop_updates": self._rdrop_updates.take()}
         if sums is not None:
             nll, kl, items, correct, tokens, entropy = sums
             logs = {**logs, "rdrop_ce": round(nll / 2 / max(items, 1), 4),
