@@ -119,8 +119,9 @@ def script_command(recipe, python=sys.executable, args=()):
         # BART_DIR / ROBERTA_DIR given: the dry run fetches nothing
         # the recipe's defaults: none of the scripts' variables from this environment
         env = {k: v for k, v in os.environ.items() if k not in (
-            "MAX_TOKENS", "UPDATE_FREQ", "MODE", "ALPHA", "CPU", "BF16", "FP16", "NODES",
-            "CUDA_VISIBLE_DEVICES", "SRC", "TGT", "PAIR", "GOOGLE", "ARCH", "TASK", "MAX_UPDATE")}
+            "MAX_TOKENS", "UPDATE_FREQ", "MODE", "ALPHA", "RDROP_EVERY", "CPU", "BF16", "FP16",
+            "NODES", "CUDA_VISIBLE_DEVICES", "SRC", "TGT", "PAIR", "GOOGLE", "ARCH", "TASK",
+            "MAX_UPDATE")}
         env.update(r.env, DRY_RUN="1", GPUS="1", PYTHON=python, DATA_DIR=f"{tmp}/data",
                    SAVE_DIR=f"{tmp}/save", BART_DIR=f"{tmp}/bart", ROBERTA_DIR=f"{tmp}/roberta",
                    RECIPE_MEMORY="/dev/null")  # the table would change the split

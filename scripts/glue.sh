@@ -17,7 +17,7 @@
 # for AttendOut: model.pt; default work/roberta.*; fetched by train; FROM_SCRATCH=1: none, a
 # randomly initialised model), DOWNLOADS (default work/downloads). Environment: TASK (CoLA, MRPC, RTE,
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
-# doubled-batch, attendout, attendout_rdrop), TARGET_LAYERS (AttendOut modes), ALPHA, SEED,
+# doubled-batch, attendout, attendout_rdrop), TARGET_LAYERS (AttendOut modes), ALPHA, RDROP_EVERY, SEED,
 # MAX_UPDATE, UPDATE_FREQ (the batch as GPUS x UPDATE_FREQ batches of
 # batch/(GPUS x UPDATE_FREQ) sentences), GPUS (0 or 1; the AttendOut modes: any number that
 # divides the batch with UPDATE_FREQ), CPU, BF16, FP16, FAIRSEQ_BIN, PYTHON, DRY_RUN.
@@ -96,6 +96,7 @@ train() {
   # RoBERTa large's measured memory: the config's max-tokens 4400 caps a batch of 512-token
   # sentences at 8, whatever the task's batch
   [ "$CONFIG" != roberta_glue_rdrop ] || memory_line 4400
+  every_line
   local restore task_args=()
   if [ -f "$SAVE_DIR/checkpoint_last.pt" ] || [ "${FROM_SCRATCH:-0}" = 1 ]; then
     # resume (fairseq's default: checkpoint_last.pt, if any), nothing reset

@@ -73,6 +73,22 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help: the options)\n")
 
 
+def add_rdrop_every(parser):
+    """The Hugging Face recipes' ``--rdrop-every K`` (RDropTrainer's ``rdrop_every``)."""
+    parser.add_argument("--rdrop-every", type=int, default=1, metavar="K",
+                        help="train, MODE rdrop or no-kl: R-Drop on one optimizer update in K, "
+                             "the others one pass with the model's own loss (default 1: every "
+                             "update)")
+
+
+def check_rdrop_every(parser, a):
+    """``--rdrop-every``: a whole number >= 1, and R-Drop's (MODE rdrop or no-kl)."""
+    if a.rdrop_every < 1:
+        parser.error(f"--rdrop-every must be a whole number >= 1, got {a.rdrop_every}")
+    if a.rdrop_every != 1 and a.mode not in ("rdrop", "no-kl"):
+        parser.error(f"--rdrop-every {a.rdrop_every} is R-Drop's: --mode {a.mode} runs none")
+
+
 def run_stage(a, parser, prepare, train, evaluate, data_error):
     """The stage ``a.stage`` of a Hugging Face recipe module (glue_bert, vit): ``prepare(a)``,
     ``train(a, parser)`` or ``evaluate(a)``; an error in the data (``data_error``) ends the

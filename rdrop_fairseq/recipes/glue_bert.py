@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from . import prepare_glue
-from .common import (ArgumentParser, made_or_removed, need, one_pass_trainer, run_stage,
+from .common import (ArgumentParser, add_rdrop_every, check_rdrop_every, made_or_removed, need, one_pass_trainer, run_stage,
                      write_json)
 from .evaluate_glue import METRICS, scored
 
@@ -142,7 +142,7 @@ def make_trainer(a, args, model, tokenizer, train_dataset):
                   data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)
     if a.mode in ("rdrop", "no-kl"):
         return RDropTrainer(**common, rdrop_alpha=a.alpha if a.mode == "rdrop" else 0.0,
-                            rdrop_impl=a.rdrop_impl)
+                            rdrop_impl=a.rdrop_impl, rdrop_every=a.rdrop_every)
     return one_pass_trainer(**common)
 
 
@@ -262,6 +262,7 @@ def parse_args(argv):
     p.add_argument("--alpha", type=float, help="train, MODE rdrop: R-Drop's alpha")
     p.add_argument("--rdrop-impl", choices=("auto", "torch", "triton"), default="auto",
                    help="train: the R-Drop loss's implementation (default auto)")
+    add_rdrop_every(p)
     p.add_argument("--warmup", type=float, default=WARMUP, metavar="FRACTION",
                    help="train: warm the learning rate up over this fraction of the updates "
                         "(default %(default)s; 0: none)")
@@ -292,6 +293,7 @@ def parse_args(argv):
     if a.stage == "train":
         if (a.mode == "rdrop") != (a.alpha is not None):
             p.error("--alpha goes with --mode rdrop (and only with it)")
+        check_rdrop_every(p, a)
         if "--output_dir" not in a.training_args:
             p.error("give the save dir as TrainingArguments' --output_dir (after --)")
         if not 0 <= a.warmup < 1:

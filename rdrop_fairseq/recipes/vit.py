@@ -35,7 +35,8 @@ import sys
 from pathlib import Path
 
 from . import vit_data
-from .common import ArgumentParser, need, one_pass_trainer, run_stage, write_json
+from .common import (ArgumentParser, add_rdrop_every, check_rdrop_every, need,
+                     one_pass_trainer, run_stage, write_json)
 
 DATASETS = {"cifar100": "CIFAR-100", "imagenet": "ImageNet"}
 MODES = ("rdrop", "no-kl", "baseline", "doubled-batch")
@@ -116,9 +117,10 @@ def training_arguments(parser, argv):
     return args
 
 
-def make_trainer(mode, alpha, args, model, train_dataset, momentum=MOMENTUM, callbacks=()):
-    """RDropTrainer (MODE rdrop: ``alpha``; no-kl: 0) or a one-pass Trainer (baseline,
-    doubled-batch), with SGD of ``momentum`` and TrainingArguments' learning rate and weight
+def make_trainer(mode, alpha, args, model, train_dataset, momentum=MOMENTUM, callbacks=(),
+                 every=1):
+    """RDropTrainer (MODE rdrop: ``alpha``; no-kl: 0; R-Drop on one update in ``every``) or
+    a one-pass Trainer (baseline, doubled-batch), with SGD of ``momentum`` and TrainingArguments' learning rate and weight
     decay (its schedule, warm-up and clipping are the Trainer's)."""
     import torch
 
@@ -129,7 +131,8 @@ def make_trainer(mode, alpha, args, model, train_dataset, momentum=MOMENTUM, cal
                   optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": args.learning_rate,
                                                               "momentum": momentum}))
     if mode in ("rdrop", "no-kl"):
-        return RDropTrainer(**common, rdrop_alpha=alpha if mode == "rdrop" else 0.0)
+        return RDropTrainer(**common, rdrop_alpha=alpha if mode == "rdrop" else 0.0,
+                            rdrop_every=every)
     return one_pass_trainer(**common)
 
 
@@ -146,7 +149,8 @@ def train(a, parser):
     made = not save_dir.exists()
     try:
         try:
-            trainer = make_trainer(a.mode, a.alpha, args, model, train_dataset, a.momentum)
+            trainer = make_trainer(a.mode, a.alpha, args, model, train_dataset, a.momentum,
+                                   every=a.rdrop_every)
         except ValueError as e:  # options RDropTrainer refuses, e.g. a negative alpha
             raise SystemExit(f"error: {e}") from None
         print(f"[train] {DATASETS[a.dataset]}, MODE={a.mode}"
@@ -247,6 +251,7 @@ def make_parser():
     p.add_argument("--vit-dir", help="train: " + VIT_FILES)
     p.add_argument("--mode", choices=MODES, default="rdrop", help="train (default rdrop)")
     p.add_argument("--alpha", type=float, help="train, MODE rdrop: R-Drop's alpha")
+    add_rdrop_every(p)
     p.add_argument("--image-size", type=int, default=384,
                    help="train: images are resized to this (default %(default)s)")
     p.add_argument("--dropout", type=float, default=0.1,
@@ -283,6 +288,7 @@ def check(a, p):
         check_vit_dir(p, a.vit_dir)
         if (a.mode == "rdrop") != (a.alpha is not None):
             p.error("--alpha goes with --mode rdrop (and only with it)")
+        check_rdrop_every(p, a)
         if "--output_dir" not in a.training_args:
             p.error("give the save dir as TrainingArguments' --output_dir (after --)")
         if a.image_size < 1 or not (0 <= a.dropout < 1 and 0 <= a.attention_dropout < 1):

@@ -25,14 +25,18 @@ say() { echo "[$RECIPE] $*"; }
 
 # The numeric variables, checked before anything runs or is created (not by hydra, after
 # its run directory exists): ALPHA a finite number >= 0; SEED, MAX_UPDATE, UPDATE_FREQ,
-# DEVICE_BATCH whole numbers (the last three >= 1).
+# DEVICE_BATCH, RDROP_EVERY whole numbers (all but SEED >= 1).
 [ -z "${ALPHA:-}" ] || [[ $ALPHA =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] ||
   die "ALPHA must be a number >= 0 (R-Drop's KL weight), not '$ALPHA'"
 [[ $SEED =~ ^[0-9]+$ ]] || die "SEED must be a whole number, not '$SEED'"
-for var in MAX_UPDATE UPDATE_FREQ DEVICE_BATCH; do
+for var in MAX_UPDATE UPDATE_FREQ DEVICE_BATCH RDROP_EVERY; do
   [ -z "${!var:-}" ] || [[ ${!var} =~ ^[1-9][0-9]*$ ]] ||
     die "$var must be a whole number >= 1, not '${!var}'"
 done
+
+# RDROP_EVERY K: R-Drop on one optimizer update in K (the paper's k-step R-Drop), the
+# others one pass with the task's own loss; 1 (default): every update
+RDROP_EVERY=${RDROP_EVERY:-1}
 
 # Print a command (as it could be pasted into a shell); run it unless DRY_RUN=1.
 run() {
@@ -218,7 +222,7 @@ trainer_device_args() {
 # MODE: rdrop (the paper's alpha, or ALPHA), baseline (alpha 0: exactly fairseq's parent
 # criterion), no-kl (alpha 0, two passes: appendix C.2), doubled-batch (the baseline with
 # twice the batch: R-Drop's compute without the KL, appendix C.1). $1: the paper's alpha.
-# Sets MODE_ARGS (hydra overrides) and BATCH_FACTOR.
+# Sets MODE_ARGS (hydra overrides; RDROP_EVERY's where it is not 1) and BATCH_FACTOR.
 set_mode() {
   BATCH_FACTOR=1
   if [ "$MODE" != rdrop ] && [ -n "${ALPHA:-}" ] && [ "${ALPHA}" != 0 ]; then
@@ -231,6 +235,24 @@ set_mode() {
     doubled-batch) MODE_ARGS=(criterion.rdrop_alpha=0); BATCH_FACTOR=2 ;;
     *) die "MODE must be rdrop, baseline, no-kl or doubled-batch, not '$MODE'" ;;
   esac
+  if [ "$RDROP_EVERY" != 1 ]; then
+    case $MODE in
+      rdrop|no-kl) MODE_ARGS+=(++criterion.rdrop_every=$RDROP_EVERY) ;;
+      *) die "RDROP_EVERY=$RDROP_EVERY is R-Drop's period, and MODE=$MODE runs no R-Drop" ;;
+    esac
+  fi
+}
+
+# every_line: say, in the train stage's output (dry run too), how often R-Drop runs
+every_line() {
+  case $MODE in baseline|doubled-batch) return ;; esac
+  if [ "$RDROP_EVERY" = 1 ]; then
+    say "R-Drop on every update (RDROP_EVERY=1)"
+  else
+    say "R-Drop on one update in $RDROP_EVERY (RDROP_EVERY=$RDROP_EVERY): updates 0," \
+        "$RDROP_EVERY, $(( 2 * RDROP_EVERY )), ... run both passes, the others one pass" \
+        "with the task's own loss (docs/rdrop-every.md)"
+  fi
 }
 
 # loss_path CONFIG: say which R-Drop loss path the training runs, and why: the config's
@@ -241,6 +263,7 @@ set_mode() {
 # decoder's features and output projection, no logits (docs/benchmarks.md).
 loss_path() {
   local config=$CONFIGS/$1.yaml arg criterion fused impl=auto why="the recipe's default"
+  every_line
   # the criterion section's _name and rdrop_fused_linear (default false)
   read -r criterion fused < <(awk '/^[^ #]/ { in_c = ($1 == "criterion:") }
     in_c && $1 == "_name:" { name = $2 } in_c && $1 == "rdrop_fused_linear:" { f = $2 }
