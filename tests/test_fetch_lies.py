@@ -7,6 +7,7 @@ Against the loopback servers of tests/test_fetch.py."""
 import gzip
 import hashlib
 import io
+import json
 import os
 import stat
 import subprocess
@@ -31,6 +32,12 @@ def fetched_by_table(server, tmp_path, name, **spec):
         {"name": name, "urls": [server.url(f"/{name}")], "no_public_record": "a test", **spec}]}})
     return cli("--dir", tmp_path / "dl", "src", env={"RDROP_SOURCES": str(table)}), \
         tmp_path / "dl" / name
+
+
+def a_record(url, validator, total=len(DATA)):
+    """What a download leaves beside FILE.partial for its resume: the URL it came from, its
+    validator and the file's size as first announced."""
+    return json.dumps({"url": url, "total": total, "validator": validator})
 
 
 def requests_made(server):
@@ -131,15 +138,16 @@ PAGES = {
 def test_a_portal_page_is_refused_and_a_partial_file_kept(server, tmp_path, page, when):
     server.routes["/encoder.json"] = Route(PAGES[page])
     partial = tmp_path / "encoder.json.partial"
-    if when == "resume":  # 600 kB of a good download, and its validator
+    validator = tmp_path / "encoder.json.partial.validator"
+    if when == "resume":  # 600 kB of a good download, and its validator, from this URL
         partial.write_bytes(DATA[:600_000])
-        (tmp_path / "encoder.json.partial.validator").write_text('"v1"')
+        validator.write_text(a_record(server.url("/encoder.json"), '"v1"'))
     proc = cli("--out", tmp_path / "encoder.json", server.url("/encoder.json"))
     assert proc.returncode == 1 and "an HTML page" in proc.stderr, proc.stderr
     if when == "resume":
         assert server.log[0]["range"] == "bytes=600000-"
         assert partial.read_bytes() == DATA[:600_000]  # as it was
-        assert (tmp_path / "encoder.json.partial.validator").read_text() == '"v1"'
+        assert validator.read_text() == a_record(server.url("/encoder.json"), '"v1"')
     else:
         assert only(partial) == []
 
@@ -148,7 +156,7 @@ def test_a_refused_answer_to_a_resume_leaves_the_partial_file(server, tmp_path):
     server.routes["/a.bin"] = Route(data=DATA, no_length=True)  # no length, no checksum
     partial = tmp_path / "a.bin.partial"
     partial.write_bytes(DATA[:600_000])
-    (tmp_path / "a.bin.partial.validator").write_text('"v1"')
+    (tmp_path / "a.bin.partial.validator").write_text(a_record(server.url("/a.bin"), '"v1"'))
     proc = cli("--out", tmp_path / "a.bin", server.url("/a.bin"))
     assert proc.returncode == 1 and "no Content-Length" in proc.stderr
     assert partial.read_bytes() == DATA[:600_000]

@@ -7,7 +7,7 @@ from pathlib import Path
 from .. import fetch as package
 from ..common import ArgumentParser
 from . import http
-from .base import BadInput, FetchError, NoNetwork, Offline, positive, write_error
+from .base import BadInput, FetchError, NoNetwork, Offline, mask, positive, write_error
 from .core import fetch, get
 from .table import load_sources, markdown_table
 
@@ -81,7 +81,9 @@ def main(argv=None):
     except FetchError as e:
         sys.exit(f"error: {e}")
     except OSError as e:  # writing: a full disk or quota, a read-only file system, no rights
-        sys.exit(f"error: {write_error(e, a.out or a.dir)}")
+        sys.exit(f"error: {mask(write_error(e, a.out or a.dir))}")
+    except Exception as e:  # noqa: BLE001 -- whatever else: one line, never a traceback
+        sys.exit(mask(f"error: {e.__class__.__name__}: {' '.join(str(e).split())}"))
     except KeyboardInterrupt:
         sys.exit(130)
     finally:

@@ -3,7 +3,8 @@ download is a whole archive of the kind its name says, ``unpack()`` extracts one
 folder. Each way an archive can fail is an exception whose message says what is wrong
 with the archive, never which file it is: the caller names the file and its source in a
 sentence of its own. Unreadable (cut, a bad CRC, not the kind its name says), UnsafeMember
-(a member whose path is absolute or leaves the folder). An OSError that says the disk is
+(a member whose path is absolute or leaves the folder), TooBig (more than the
+free space, unpacked). An OSError that says the disk is
 full, over quota or read-only passes as it is: the archive is not at fault."""
 
 import os
@@ -22,6 +23,16 @@ _BROKEN = (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error, OSError)
 
 class Unreadable(Exception):
     """An archive that cannot be read to its end: the message is the reason."""
+
+
+class TooBig(Exception):
+    """An archive whose members' declared sizes add up to ``size`` bytes, more than the
+    ``free`` bytes of the disk it would be unpacked on: refused before anything is written
+    (the members cannot unpack to more than they declare: zipfile and tarfile stop there)."""
+
+    def __init__(self, size, free):
+        super().__init__(f"{size} bytes unpacked, {free} free")
+        self.size, self.free = size, free
 
 
 class UnsafeMember(Exception):
@@ -115,8 +126,16 @@ def common_top(names):
     return ""
 
 
+def _room_for(into, sizes):
+    """TooBig where the declared ``sizes`` add up to more than the free space of ``into``."""
+    size, free = sum(sizes), shutil.disk_usage(into).free
+    if size > free:
+        raise TooBig(size, free)
+
+
 def _unzip(archive, into):
     with zipfile.ZipFile(archive) as zf:
+        _room_for(into, (info.file_size for info in zf.infolist() if not info.is_dir()))
         top = common_top([n for n in zf.namelist() if not n.endswith("/")])
         for info in zf.infolist():
             if info.is_dir():
@@ -131,6 +150,7 @@ def _unzip(archive, into):
 def _untar(archive, into):
     with _open_tar(archive) as tar:
         members = [m for m in tar.getmembers() if m.isfile()]
+        _room_for(into, (m.size for m in members))
         top = common_top([m.name for m in members])
         for m in members:
             _safe(m.name)  # as the archive names it, then below the top folder

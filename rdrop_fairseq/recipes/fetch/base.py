@@ -5,9 +5,9 @@ import contextlib
 import errno
 import math
 import os
-import re
 import stat
 import sys
+import urllib.parse
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -20,13 +20,52 @@ WRITE_ERRORS = {errno.ENOSPC: ("the disk is full", "free space"),
                 errno.EROFS: ("the file system is read-only", "make it writable")}
 
 
-# the user:password@ of a URL, shown as ***@ in every message
-_CREDENTIALS = re.compile(r"(?<=://)[^/?#\s@]+@")
+# the user:password parts of the URLs this run was given (hide_credentials()), masked in
+# every message whatever they hold
+_credentials = set()
+
+
+def credentials(url):
+    """The user information of ``url`` (``user:password``, before the last ``@`` of its
+    authority), as urllib.parse.urlsplit splits a URL; "" where it has none. A URL that
+    urlsplit refuses (``http://u:p@[::1``) is split as it would split it."""
+    try:
+        netloc = urllib.parse.urlsplit(url).netloc
+    except ValueError:
+        netloc = url.partition("://")[2]
+        for end in "/?#":
+            netloc = netloc.partition(end)[0]
+    return netloc.rpartition("@")[0]
+
+
+def hide_credentials(url):
+    """Mask the credentials of ``url`` in every message from now on, as written and as
+    Python's repr() writes them."""
+    secret = credentials(str(url))
+    if secret:
+        _credentials.update({secret, repr(secret)[1:-1]})
+
+
+def _urls_in(text):
+    """Each word of ``text`` that holds ``://``, from its scheme on."""
+    for word in text.split():
+        begin = word.find("://")
+        while begin > 0 and (word[begin - 1].isalnum() or word[begin - 1] in "+-."):
+            begin -= 1
+        if begin >= 0:
+            yield word[begin:]
 
 
 def mask(text):
-    """``text`` with the credentials of every URL in it masked (``https://***@host/...``)."""
-    return _CREDENTIALS.sub("***@", str(text))
+    """``text`` with the credentials of every URL in it masked (``https://***@host/...``):
+    those of the URLs given to hide_credentials(), whatever they hold (a space, an ``@``),
+    and those of any other URL in it (a redirect's), a word from its scheme on."""
+    text = str(text)
+    found = {credentials(url) for url in _urls_in(text)}
+    for secret in sorted(_credentials | found, key=len, reverse=True):
+        if secret:
+            text = text.replace(secret + "@", "***@")
+    return text
 
 
 class FetchError(Exception):

@@ -15,8 +15,8 @@ from urllib3.exceptions import NameResolutionError
 
 from ..common import dry_run
 from . import http
-from .base import BadInput, FetchError, NoNetwork, Offline, human, locked, make_folder, \
-    mask, not_a_file, offline, positive, remove_made, say, seconds, size_of
+from .base import BadInput, FetchError, NoNetwork, Offline, hide_credentials, human, \
+    locked, make_folder, mask, not_a_file, offline, positive, remove_made, say, seconds, size_of
 from .table import hub_of, hub_url, load_sources, make
 from .verify import cached_digest, check_digest, checksum_of, file_digest, published, \
     record_first_seen, recorded, verify
@@ -90,9 +90,10 @@ def _from_cache(file, cached):
 
 
 def _from_url(file, url, retries):
-    """The file from ``url``; a cut that brought bytes resumes at once: None, or why not."""
-    before = -1
-    while size_of(file.partial) > before:
+    """The file from ``url``; a cut that brought bytes resumes at once, a trickle (Slow) is
+    tried ``file.tries`` times in all: None, or why not."""
+    slow = 0
+    while True:
         before = size_of(file.partial)
         say(f"{file.out.name}: from {url}" + (f" (resuming at {human(before)})" if before
                                               else ""))
@@ -107,14 +108,14 @@ def _from_url(file, url, retries):
             say(f"{file.out.name}: {e}")
             if isinstance(e, http.Unreachable):  # not waited for again in this run
                 _unreachable.setdefault(e.host, f"{url}: {e}")
-            if not isinstance(e, http.Cut):
-                return e
-            failure = e
-            continue
+            slow += isinstance(e, http.Slow)
+            if isinstance(e, http.Slow) and slow < file.tries or isinstance(
+                    e, http.Cut) and size_of(file.partial) > before:
+                continue
+            return e
         # without a public record, a hub file is checked against the hub's own SHA-256
         return _settle(file, file.partial, file.expected or (
             published(chain) if file.hub else None))
-    return failure
 
 
 def _from_urls(file):
@@ -139,6 +140,9 @@ def _checked(urls, out, given, retries, timeout):
     """BadInput for what is wrong with fetch()'s arguments, before anything is fetched;
     returns the checksum to expect (given, or recorded by ``--record``) and the time-outs."""
     for url in urls:
+        if any(ord(c) < 32 or ord(c) == 127 for c in url):
+            raise BadInput(f"{url!r} holds a control character (a line break, a tab): give the "
+                           "URL on one line")
         try:
             parts = urllib.parse.urlsplit(url)
             parts.port  # noqa: B018 -- a port that is no number raises here
@@ -262,6 +266,8 @@ def fetch(urls, out, *, sha256=None, md5=None, sha1=None, size=None, timeout=Non
     download's SHA-256 (``--record``)."""
     out = Path(out)
     urls = [hub_url(hub, hub["path"])] if hub else list(urls)
+    for url in urls:
+        hide_credentials(url)
     expected, timeouts = _checked(urls, out, {"sha256": sha256, "md5": md5, "sha1": sha1},
                                   retries, timeout)
     if dry_run():  # no hashing either: a dry run reads nothing

@@ -9,10 +9,14 @@ import atexit
 import codecs
 import inspect
 import itertools
+import json
+import os
+import shutil
 import socket
 import sys
 import time
 import urllib.parse
+from dataclasses import dataclass
 
 import requests
 import urllib3
@@ -26,6 +30,7 @@ from .base import CHUNK, WRITE_ERRORS, FetchError, human, say, seconds, size_of
 USER_AGENT = "rdrop-fairseq-fetch/1.0 (+https://pypi.org/project/rdrop-fairseq/)"
 RETRY_AFTER_MAX = 120.0  # seconds, RDROP_FETCH_MAX_RETRY_AFTER: a longer wait is not waited
 ANNOUNCE = 3.0  # a wait longer than this many seconds is said before it starts
+SLOW_BYTES = 1024  # a try that brings fewer in --timeout seconds is ended
 
 
 class Failed(Exception):
@@ -40,6 +45,11 @@ class Refused(Failed):
     """An answer that is not the file: an error status, an HTML page, a body without a length
     that nothing would check, a size other than the pinned one, a compression that cannot
     be told from the file's own or is not decoded here, a Retry-After longer than we wait."""
+
+
+class Slow(Failed):
+    """Less than SLOW_BYTES came in ``--timeout`` seconds (a trickle): the try is ended,
+    tried again as a time-out is, the partial file kept."""
 
 
 class Unreachable(Failed):
@@ -138,13 +148,18 @@ def _when(after):
 
 
 def _open(url, retries, timeouts, **kwargs):
-    """requests' answer once urllib3's ``retries`` has done what it may; else Failed."""
+    """requests' answer once urllib3's ``retries`` has done what it may; else Failed (Refused
+    for a redirect that cannot be followed: a Location that is no URL, not UTF-8, a host
+    name too long)."""
     try:
         return session(retries).get(url, timeout=timeouts, **kwargs)
     except _TooLong as e:
         cap = seconds("RDROP_FETCH_MAX_RETRY_AFTER", RETRY_AFTER_MAX)
         raise Refused(f"the server asks to be tried again {_when(e.after)}, later than "
                       f"RDROP_FETCH_MAX_RETRY_AFTER ({cap:g} s) waits: run again then") from None
+    except (ValueError, urllib3.exceptions.HTTPError) as e:  # a Location that is no URL
+        raise Refused(f"an answer that cannot be followed ({e.__class__.__name__}: "
+                      f"{' '.join(str(e).split())[:120]})") from None
     except requests.RequestException as e:
         why = getattr(e.args[0] if e.args else None, "reason", e)
         if not isinstance(why, (ConnectTimeoutError, ProxyError)):
@@ -175,21 +190,49 @@ def restart(partial):
     _validator(partial).unlink(missing_ok=True)
 
 
-def _resume_point(partial, name, check, pinned):
-    """Where ``partial`` resumes, and the If-Range to send. A file that cannot change
-    (``pinned``: the hub's, at a commit) or whose result a checksum checks resumes without
-    a validator; any other starts afresh without one: a file that changed meanwhile would
-    be spliced, and nothing would see it (a size does not)."""
-    have, validator = size_of(partial), _validator(partial)
-    if not have or pinned:
-        return have, None
-    if validator.is_file():
-        return have, validator.read_text()
+def _refuse_links(partial):
+    """FetchError where ``partial`` or its validator file is a symbolic link: nothing is
+    written through one (and both are opened with O_NOFOLLOW besides)."""
+    for path in (partial, _validator(partial)):
+        if path.is_symlink():
+            raise FetchError(f"{path} is a symbolic link, not a download of ours: nothing is "
+                             "written through it; remove it and run again")
+
+
+def _recall(partial):
+    """What _begin() kept beside ``partial``: ``{"url", "validator", "total"}``; ``{}`` for
+    none, or one of another form (an older version's)."""
+    try:
+        with open(os.open(_validator(partial), os.O_RDONLY | os.O_NOFOLLOW),
+                  encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _resume_point(partial, url, name, check, pinned, size):
+    """Where ``partial`` resumes from ``url``, the If-Range to send, and the file's size as
+    promised (the pinned ``size``, else the total of the answer that began ``partial``). Its
+    validator counts only for the URL it came from: a mirror's file with the same date
+    is another file. A file that cannot change (``pinned``: the hub's, at a commit) or
+    whose result a checksum checks resumes without a validator; any other starts afresh
+    without one: a file that changed meanwhile would be spliced, and nothing would see it
+    (a size does not)."""
+    have, record = size_of(partial), _recall(partial)
+    if not have:
+        return 0, None, size
+    bound = record if record.get("url") == url else {}
+    promised = size if size is not None else bound.get("total")
+    if pinned or bound.get("validator"):
+        return have, None if pinned else bound["validator"], promised
     if check != "digest":
-        say(f"{name}: no ETag or Last-Modified to resume {human(have)} against and no checksum "
-            "to check the result: starting afresh")
-        return 0, None
-    return have, None
+        why = (f"the ETag or Last-Modified of {human(have)} came from {record['url']}, not this "
+               "URL," if record.get("validator") and record.get("url") else
+               f"no ETag or Last-Modified to resume {human(have)} against")
+        say(f"{name}: {why} and no checksum to check the result: starting afresh")
+        return 0, None, size
+    return have, None, promised
 
 
 def _coding(resp, name, check):
@@ -212,42 +255,105 @@ def _coding(resp, name, check):
     return coding
 
 
-def _plan(resp, name, have, sent, check):
+def _number(text):
+    """``text`` as a number of bytes (ASCII digits: str.isdigit() also takes "²"), or None."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def _content_range(resp):
+    """The answer's Content-Range as ``(first, last, total)``: ``bytes */TOTAL`` gives
+    ``(None, None, TOTAL)``, an unknown total (``/*``) None; None where there is none.
+    Refused for one that is not of these forms, or whose bytes do not lie in its total."""
+    value = resp.headers.get("Content-Range")
+    if value is None:
+        return None
+    unit, _, spec = value.strip().partition(" ")
+    span, _, whole = spec.partition("/")
+    total = None if whole == "*" else _number(whole)
+    first, last = (None, None) if span == "*" else map(_number, span.partition("-")[::2])
+    if unit != "bytes" or (whole != "*" and total is None) or (span == "*") != (
+            first is None) or (span != "*" and (last is None or last < first or (
+                total is not None and last >= total))) or (span == "*" and total is None):
+        raise Refused(f"a Content-Range that is none: {value[:80]!r}")
+    return first, last, total
+
+
+def _unsatisfiable(name, have, rng, check, promised):
+    """What a 416 to a resume means: WHOLE only where the total it gives is the size of
+    ``partial`` and the size promised (or, none promised, a checksum will check); else
+    AGAIN. Refused for a 416 to a request for the whole file."""
+    total = rng[2] if rng else None
+    if not have:
+        raise Refused("416 Range Not Satisfiable, to a request without a Range")
+    if total == have and (promised == have or (promised is None and check == "digest")):
+        return WHOLE
+    say(f"{name}: the server answers the resume at {have} bytes with 416 (the file's size "
+        f"{total if total is not None else 'unsaid'}, {promised or 'none'} promised): asking "
+        "for the whole file")
+    return AGAIN
+
+
+def _plan(resp, name, have, sent, check, promised):
     """How an answer is used: ``(start, coding)``, the byte of the file its body begins at
     (``have``: a resume; 0: the whole file) and the content-coding decoded on the way (None:
     as served); or WHOLE (``partial`` is the whole file already: a run killed after it) or
-    AGAIN. A 206 is a resume only where it answers the range asked for, carries the
-    validator sent in If-Range, and is not compressed on the way (its ranges would count
-    compressed bytes). Refused for an error status and what cannot be the file."""
-    rng = resp.headers.get("Content-Range", "")
-    if have and resp.status_code in (206, 416) and not rng.startswith(f"bytes {have}-"):
-        return (WHOLE if rng.endswith(f"/{have}") else AGAIN), None  # another range
-    if resp.status_code >= 400:
-        raise Refused(f"{resp.status_code} {resp.reason}")
+    AGAIN. Its framing is checked against the request and the first answer: a 200 only
+    without a Content-Range that says it holds less than the whole file; a 206 only where
+    it begins at the byte asked for (0 without a Range), carries the validator sent in
+    If-Range and the total ``promised``, and is not compressed on the way (its ranges
+    would count compressed bytes); a 416 as _unsatisfiable() says. Refused for any other
+    status (a redirect not followed, a 304) and for what cannot be the file."""
+    status, rng = resp.status_code, _content_range(resp)
+    if status == 416:
+        return _unsatisfiable(name, have, rng, check, promised), None
+    if status not in (200, 206):
+        raise Refused(f"{status} {resp.reason}" + ("" if status >= 400 else
+                                                    ": an answer that is not the file"))
     coding = _coding(resp, name, check)
-    if resp.status_code != 206 or not have:
+    if status == 200:
+        if rng and (rng[0], rng[1] + 1) != (0, rng[2]):
+            raise Refused(f"a 200 whose Content-Range says it holds bytes {rng[0]}-{rng[1]} "
+                          f"of {rng[2] or 'an unsaid size'}: not the whole file")
         if have:
             say(f"{name}: the file changed, or the server ignores Range: starting afresh")
         return 0, coding
-    if sent and sent not in (resp.headers.get("ETag"), resp.headers.get("Last-Modified")):
+    if rng is None or rng[0] != have:
+        where = f"bytes {rng[0]}-{rng[1]}" if rng and rng[0] is not None else "no range"
+        if not have:
+            raise Refused(f"a 206 that holds {where}, to a request for the whole file")
+        say(f"{name}: the server's 206 holds {where}, not bytes {have}- as asked: asking for "
+            "the whole file")
+        return AGAIN, None
+    if have and promised is not None and rng[2] != promised:
+        say(f"{name}: the server's 206 gives the file's size as {rng[2]}, not the {promised} "
+            "bytes first promised: asking for the whole file")
+        return AGAIN, None
+    if have and sent and sent not in (resp.headers.get("ETag"),
+                                      resp.headers.get("Last-Modified")):
         say(f"{name}: the server's 206 does not carry the {sent} asked for (it ignores "
             "If-Range: the file may have changed): asking for the whole file")
         return AGAIN, None
-    if coding:
+    if have and coding:
         say(f"{name}: the server compresses its answer (Content-Encoding: {coding}), and its "
             "ranges count compressed bytes: asking for the whole file")
         return AGAIN, None
-    return have, None
+    return have, coding
 
 
 def _total(resp, have):
     """The file's size as the answer promises it: a 206's Content-Range total, else
-    ``have`` and the Content-Length; None where it says neither."""
-    whole = resp.headers.get("Content-Range", "").rpartition("/")[2]
-    if resp.status_code == 206 and whole.isdigit():
-        return int(whole)
-    length = resp.headers.get("Content-Length", "")
-    return have + int(length) if length.isdigit() else None
+    ``have`` and the Content-Length; None where it says neither. Refused for a
+    Content-Length that is no number."""
+    rng = _content_range(resp)
+    if resp.status_code == 206 and rng[2] is not None:
+        return rng[2]
+    length = resp.headers.get("Content-Length")
+    if length is None:
+        return None
+    if _number(length) is None:
+        raise Refused(f"a Content-Length that is no number: {length[:40]!r}")
+    return have + _number(length)
 
 
 def _announced(resp, start, coding, check, size):
@@ -267,29 +373,62 @@ def _announced(resp, start, coding, check, size):
     return total
 
 
+@dataclass
+class _Body:
+    """How an answer's body is received: ``url`` it answers, the file's ``name``, the byte
+    ``start`` of the file it begins at, the file's ``total`` as announced, the ``coding``
+    decoded, at most ``cap`` bytes (``capped``: in words, why), a try ended after
+    ``slow`` seconds that bring less than SLOW_BYTES."""
+    url: str
+    name: str
+    start: int
+    total: int
+    coding: str
+    cap: int
+    capped: str
+    slow: float
+
+
+def _cap(partial, total, start, size):
+    """The most bytes an answer may add to ``partial``, and why: the rest of the size it
+    announced (Content-Length, Content-Range), else of the pinned ``size``, else (no length,
+    or one that counts compressed bytes) the free space on the disk as the answer begins."""
+    if total is not None:
+        return total - start, f"the {total} bytes announced"
+    if size is not None:
+        return size - start, f"the {size} bytes pinned"
+    free = shutil.disk_usage(partial.parent).free
+    return free, f"the free space on its disk ({human(free)})"
+
+
 def download(url, partial, name, retries, timeouts, check=None, pinned=False, size=None):
     """``url`` into ``partial``, resumed with Range and If-Range (the ETag or Last-Modified
-    of the answer that began it; see _resume_point and _plan): a file that changed
-    meanwhile, a server that ignores Range or If-Range, or one that compresses its answers,
-    gets the whole file asked for. ``partial`` is replaced only by an answer whose first
-    block passed (a refused answer leaves it as it was). Returns the headers of every
-    answer (redirects first); raises Failed and its kinds. ``check``: what will check the
-    file, "digest", "size" or None (then a body whose end cannot be told from a cut is
-    refused); ``pinned``: it cannot change; ``size``: its pinned size, compared with the
-    answer's before the body is read."""
-    have, sent = _resume_point(partial, name, check, pinned)
+    of the answer from ``url`` that began it; see _resume_point and _plan): a file that
+    changed meanwhile, a server that ignores Range or If-Range, or one that compresses its
+    answers, gets the whole file asked for. ``partial`` is replaced only by an answer whose
+    first block passed (a refused answer leaves it as it was), grows by no more than
+    _cap() allows (past it, it is discarded: Refused), and a try that brings less than
+    SLOW_BYTES in ``timeouts[1]`` seconds ends (Slow). Returns the headers of every answer
+    (redirects first); raises Failed and its kinds, and FetchError for a ``partial`` that is
+    a symbolic link. ``check``: what will check the file, "digest", "size" or None (then a
+    body whose end cannot be told from a cut is refused); ``pinned``: it cannot change;
+    ``size``: its pinned size, compared with the answer's before the body is read."""
+    _refuse_links(partial)
+    have, sent, promised = _resume_point(partial, url, name, check, pinned, size)
     while True:
         headers = {"Range": f"bytes={have}-", "If-Range": sent} if have else {}
         with _open(url, retries, timeouts, headers=headers, stream=True) as resp:
             chain = [r.headers for r in (*resp.history, resp)]
-            start, coding = _plan(resp, name, have, sent, check)
+            start, coding = _plan(resp, name, have, sent, check, promised)
             if start == AGAIN:
-                have, sent = 0, None
+                have, sent, promised = 0, None, size
                 continue
             if start == WHOLE:
                 return chain
             total = _announced(resp, start, coding, check, size)
-            got = _receive(resp, partial, name, total, start, coding)
+            body = _Body(url, name, start, total, coding, *_cap(partial, total, start, size),
+                         timeouts[1])
+            got = _receive(resp, partial, body)
         if total is not None and got < total:  # a short answer (a proxy's cut) is a cut
             raise Cut(f"cut at {human(got)} of {human(total)} (the answer ended early)")
         return chain
@@ -318,14 +457,17 @@ def _begins_html(block):
     return head[:14].lower().startswith((b"<!doctype html", b"<html"))
 
 
-def _begin(partial, resp):
-    """``partial`` emptied for an answer that begins the file, and that answer's validator
-    kept for a later resume's If-Range: its ETag (a weak one is not for If-Range), else
-    its Last-Modified."""
+def _begin(partial, resp, body):
+    """``partial`` emptied for an answer that begins the file, and kept beside it for a
+    later resume: the URL it came from, its validator for If-Range (its ETag, a weak one is
+    not for If-Range, else its Last-Modified, else none) and the total it announced."""
     restart(partial)
     etag = resp.headers.get("ETag", "W/")
-    if etag[:2] != "W/" or "Last-Modified" in resp.headers:
-        _validator(partial).write_text(etag if etag[:2] != "W/" else resp.headers["Last-Modified"])
+    record = {"url": body.url, "total": body.total,
+              "validator": etag if etag[:2] != "W/" else resp.headers.get("Last-Modified")}
+    with open(os.open(_validator(partial), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                      | os.O_NOFOLLOW, 0o644), "w", encoding="utf-8") as f:
+        json.dump(record, f)
 
 
 def _why(e):
@@ -333,30 +475,53 @@ def _why(e):
     return e.args[0] if len(e.args) > 1 and isinstance(e.args[0], str) else e
 
 
-def _receive(resp, partial, name, total, start, coding):
-    """The body into ``partial`` from byte ``start``, decoded where ``coding`` says, else as
-    served (a .tar.gz sent with Content-Encoding: gzip stays gzipped); an answer that
-    begins the file replaces what ``partial`` held once its first block is no HTML page.
-    Returns the size of ``partial`` after."""
-    html = _is_html(resp, name, start)
-    blocks = iter(lambda: resp.raw.read1(CHUNK, decode_content=bool(coding)), b"")
-    with _bar(name, total, start) as bar:
+class _Over(Exception):
+    """An answer that brings more than its cap."""
+
+
+def _write(f, blocks, body, bar):
+    """``blocks`` written whole to ``f`` (what write() returned is on disk: a full disk
+    loses nothing); _Over before a block that would pass ``body.cap``, Slow where less
+    than SLOW_BYTES came in ``body.slow`` seconds."""
+    room, window, since = body.cap, time.monotonic(), 0
+    for block in blocks:
+        if len(block) > room:
+            raise _Over()
+        view = memoryview(block)
+        while view:
+            view = view[f.write(view):]
+        room, since = room - len(block), since + len(block)
+        bar.update(len(block))
+        if time.monotonic() - window >= body.slow:
+            if since < SLOW_BYTES:
+                raise Slow(f"less than 1 KiB in {body.slow:g} s (a trickle; --timeout)")
+            window, since = time.monotonic(), 0
+
+
+def _receive(resp, partial, body):
+    """The body into ``partial`` from byte ``body.start``, decoded where ``body.coding``
+    says, else as served (a .tar.gz sent with Content-Encoding: gzip stays gzipped); an
+    answer that begins the file replaces what ``partial`` held once its first block is no
+    HTML page. Returns the size of ``partial`` after."""
+    html = _is_html(resp, body.name, body.start)
+    blocks = iter(lambda: resp.raw.read1(CHUNK, decode_content=bool(body.coding)), b"")
+    with _bar(body.name, body.total, body.start) as bar:
         try:
             first = next(blocks, b"")
             if html(first):
                 raise Refused("an HTML page, not the file")
-            if start == 0:
-                _begin(partial, resp)
-            # unbuffered: what write() returned is on disk (a full disk loses nothing)
-            with open(partial, "ab", buffering=0) as f:
-                for block in itertools.chain([first], blocks):
-                    view = memoryview(block)
-                    while view:
-                        view = view[f.write(view):]
-                    bar.update(len(block))
+            if body.start == 0:
+                _begin(partial, resp, body)
+            with open(os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                              0o644), "ab", buffering=0) as f:  # unbuffered: see _write
+                _write(f, itertools.chain([first], blocks), body, bar)
+        except _Over:
+            restart(partial)
+            raise Refused(f"more than {body.capped} came: {partial.name} discarded, not "
+                          "resumed") from None
         except urllib3.exceptions.DecodeError:
-            raise Refused(f"Content-Encoding: {coding}, but the body is no {coding} data") \
-                from None
+            raise Refused(f"Content-Encoding: {body.coding}, but the body is no "
+                          f"{body.coding} data") from None
         except urllib3.exceptions.HTTPError as e:  # a cut, a stall
             raise Cut(f"cut after {human(bar.n)} ({_why(e)})") from None
         except OSError as e:

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .archive import Unreadable, UnsafeMember, unpack
+from .archive import TooBig, Unreadable, UnsafeMember, unpack
 from .base import WRITE_ERRORS, BadInput, FetchError, human, is_hex, locked, \
     make_folder, remove_made, say
 from .verify import DIGESTS, check_digest, checksum_of
@@ -185,11 +185,15 @@ def make(kind, paths, dest, entry):
 
 def _unpack(archive, into):
     """The ``unpack`` maker: the archive's files into ``into`` (archive.unpack); a corrupt or
-    unsafe archive is FetchError naming it."""
+    unsafe archive, or one larger unpacked than the free space, is FetchError naming it."""
     try:
         unpack(archive, into)
     except UnsafeMember as e:
         raise FetchError(f"{archive} holds an unsafe path {e.member!r}") from None
+    except TooBig as e:
+        raise FetchError(f"{archive} unpacks to {human(e.size)}, more than the {human(e.free)} "
+                         f"free on the disk of {into}: free space and run again (the download "
+                         "is kept)") from None
     except Unreadable as e:
         raise FetchError(f"{archive} cannot be extracted: {e}") from None
 
