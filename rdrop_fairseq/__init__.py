@@ -21,13 +21,25 @@ __version__ = "0.1.0"
 
 
 def register():
-    """Register the plugin's criteria, models and tasks with fairseq (imports fairseq).
+    """Register the plugin's criteria, models and tasks with fairseq (imports fairseq), and
+    make fairseq's data-parallel processes work under torch >= 2.6 and with GLUE's metrics:
+
+    * the processes receive the checkpoint that process 0 read and sends them
+      (:func:`.checkpoint_compat.trust_broadcasts_within_the_job`);
+    * ``sentence_prediction`` gathers the lists of predictions of ``--report-mcc``,
+      ``--report-acc-and-f1``, ``--report-pearson-and-spearman`` from the processes
+      instead of failing to sum them (:mod:`.tasks.gathered_metrics`).
 
     Never needed after ``import fairseq`` or under ``--user-dir``; harmless to repeat. (The
     two fairseq 0.12 bugs the summarization recipe hits are fixed by that recipe alone, not
     here: see fairseq_fixes.)
     """
     from . import criterions, models, tasks  # noqa: F401
+    from .checkpoint_compat import trust_broadcasts_within_the_job
+    from .tasks.gathered_metrics import gather_sentence_prediction_metrics
+
+    trust_broadcasts_within_the_job()
+    gather_sentence_prediction_metrics()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -104,7 +116,8 @@ class _Then(importlib.abc.Loader):
 
 # Importing the plugin (which is what --user-dir does) makes torch >= 2.6 load fairseq
 # checkpoints for training resumption, fairseq-generate and fairseq-eval-lm: at once if torch
-# is loaded, otherwise when it is first imported.
+# is loaded, otherwise when it is first imported. (On several processes, register() makes
+# them receive the checkpoint process 0 read.)
 if "torch" in sys.modules:
     _allow_fairseq_checkpoints()
 elif importlib.util.find_spec("torch") is not None:

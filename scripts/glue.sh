@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# GLUE with R-Drop, the paper's table 3: RoBERTa large fine-tuned on one GPU per task with
-# the task's max updates, batch (sentences) and alpha (the paper's appendix table 1).
+# GLUE with R-Drop, the paper's table 3: RoBERTa large fine-tuned with the task's max
+# updates, batch (sentences) and alpha (the paper's appendix table 1), on one GPU (the
+# paper's) or several (GPUS=4: the batch split over them).
 # MODE=attendout: AttendOut (docs/attendout.md) on RoBERTa base, fairseq's roberta.base
-# settings per task (configs/roberta_glue_attendout.yaml), on one GPU or several (GPUS=4:
-# the batch split over them); MODE=attendout_rdrop: both; TARGET_LAYERS=K: AttendOut's
-# budget (prune exactly K of 12 layers, validated from the deadline on, so that
-# checkpoint_best.pt has them all).
+# settings per task (configs/roberta_glue_attendout.yaml); MODE=attendout_rdrop: both;
+# TARGET_LAYERS=K: AttendOut's budget (prune exactly K of 12 layers, validated from the
+# deadline on, so that checkpoint_best.pt has them all).
 #
 #   TASK=RTE bash scripts/glue.sh [prepare|train|evaluate|all] [extra arguments]
 #   TASK=MNLI MODE=baseline SEED=2 bash scripts/glue.sh train
@@ -19,8 +19,8 @@
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
 # doubled-batch, attendout, attendout_rdrop), TARGET_LAYERS (AttendOut modes), ALPHA, RDROP_EVERY, SEED,
 # MAX_UPDATE, UPDATE_FREQ (the batch as GPUS x UPDATE_FREQ batches of
-# batch/(GPUS x UPDATE_FREQ) sentences), GPUS (0 or 1; the AttendOut modes: any number that
-# divides the batch with UPDATE_FREQ), CPU, BF16, FP16, FAIRSEQ_BIN, PYTHON, DRY_RUN.
+# batch/(GPUS x UPDATE_FREQ) sentences), GPUS (any number that divides the batch with
+# UPDATE_FREQ), CPU, BF16, FP16, FAIRSEQ_BIN, PYTHON, DRY_RUN.
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
 # of the Python module). A SAVE_DIR holding checkpoint_last.pt is resumed, not restarted.
 source "$(dirname "$0")/lib/common.sh"
@@ -72,12 +72,8 @@ prepare() {
 
 train() {
   need "$BIN/input0/dict.txt" "run: TASK=$TASK bash scripts/glue.sh prepare"
-  # R-Drop's modes: one GPU, as the paper and fairseq's GLUE configs (fairseq's
-  # sentence_prediction task cannot add up the MCC / F1 / Pearson prediction lists over
-  # GPUs); AttendOut's task gathers them, so its modes run on several (docs/attendout.md)
-  (( DEVICES == 1 || ATTENDOUT )) ||
-    die "glue.sh fine-tunes with R-Drop on one GPU, as the paper: set GPUS=1" \
-        "(CUDA_VISIBLE_DEVICES picks it; one task per GPU; MODE=attendout runs on several)"
+  # every mode on one GPU (the paper's) or several: the plugin has fairseq gather the MCC /
+  # F1 / Pearson prediction lists from the GPUs (docs/distributed.md)
   UPDATE_FREQ=${UPDATE_FREQ:-1}
   if (( DEVICES == 1 )); then
     (( BATCH % UPDATE_FREQ == 0 )) ||

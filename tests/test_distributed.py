@@ -63,10 +63,12 @@ TESTKIT = '''
 """Test-only fairseq plugin for tests/test_distributed.py."""
 
 import json
+import os
 from numbers import Number
 
 import torch
 import torch.distributed as dist
+from fairseq.distributed import utils as distributed_utils
 from fairseq.logging import meters, progress_bar
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel, base_architecture
@@ -74,6 +76,9 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, TransformerL
 from fairseq.modules import FairseqDropout
 
 import rdrop_fairseq  # noqa: F401  (registers the R-Drop criteria)
+
+if os.environ.get("RDROP_TEST_UNDO_BROADCAST_FIX"):  # fairseq's own torch.load on processes > 0
+    distributed_utils._broadcast_object_slow = distributed_utils._broadcast_object_slow.__wrapped__
 
 # fairseq rounds logged values to 3-4 decimals; print 12 significant digits instead
 _safe_round, _format_stat = meters.safe_round, progress_bar.format_stat
@@ -514,39 +519,31 @@ def test_shuffled_batches_two_ranks_equal_update_freq_2(runs, testkit, tmp_path)
     assert max_param_diff(ranks.params(), accum.params()) < TOL
 
 
-def test_two_ranks_resume_where_every_rank_loads_the_checkpoint(translation_bin, testkit,
-                                                                tmp_path):
-    """Resuming on 2 processes. fairseq's default has process 0 load the checkpoint and send
-    it to the others (``broadcast_object``: ``torch.save`` there, ``torch.load`` here), and
-    from torch 2.6 on that ``torch.load`` (weights only) refuses the config it holds; with
-    ``--load-checkpoint-on-all-dp-ranks``, which the recipe scripts pass on several GPUs,
-    each process reads the checkpoint itself and training goes on from the update it
-    stopped at."""
-    import io
-    import pickle
-
-    from fairseq import checkpoint_utils
-
-    from rdrop_fairseq.checkpoint_compat import allow_fairseq_checkpoint_globals
-
-    allow_fairseq_checkpoint_globals()  # as the plugin does in fairseq's processes
+@pytest.mark.parametrize("runs", ["translation"], indirect=True)
+def test_two_ranks_resume_from_their_own_checkpoint(runs, testkit, tmp_path):
+    """Stopped after 2 updates and resumed to 4 on 2 processes, without
+    --load-checkpoint-on-all-dp-ranks: fairseq reads checkpoint_last.pt on process 0 and
+    sends it to process 1 (``broadcast_object``: ``torch.save`` there, ``torch.load`` here),
+    whose ``torch.load`` the plugin makes unpickle fully (a weights-only load, torch >= 2.6's
+    default, refuses the DictConfig in it). The resumed run logs the updates and ends with
+    the parameters of the uninterrupted 4-update run. Without the plugin's fix, process 1
+    stops with that refusal."""
     save, b = tmp_path / "ranks", str(BATCH)
-    train_ranks(testkit, translation_bin, "translation", save, "--batch-size", b, *NO_SHUFFLE,
+    train_ranks(testkit, runs.data, "translation", save, "--batch-size", b, *NO_SHUFFLE,
                 "--max-update", "2")
+    resumed = train_ranks(testkit, runs.data, "translation", save, "--batch-size", b,
+                          *NO_SHUFFLE)
+    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 2 updates\)",
+                     resumed.log), tail(resumed.procs[0])
+    # process 1 (which logs only warnings) trained on its batches of updates 3 and 4
+    assert resumed.batches(1) == runs.ranks.batches(1)[2:]
+    assert_same_stats(resumed.stats(), runs.ranks.stats()[2:], "resumed vs 4 updates")
+    assert max_param_diff(resumed.params(), runs.ranks.params()) < TOL
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 6):
-        # what the other processes receive from process 0 by default
-        sent = io.BytesIO()
-        torch.save(checkpoint_utils.load_checkpoint_to_cpu(str(save / "checkpoint_last.pt")),
-                   sent)
-        sent.seek(0)
-        with pytest.raises(pickle.UnpicklingError, match="omegaconf.dictconfig.DictConfig"):
-            torch.load(sent, map_location="cpu")
-    done = launch_ranks(lambda rank, init: train_cmd(
-        testkit, translation_bin, "translation", save, "--batch-size", b, *NO_SHUFFLE,
-        "--load-checkpoint-on-all-dp-ranks", *rank_args(rank, init, 2, "legacy_ddp")),
-        tmp_path, env())
-    for proc in done:
-        check_ok(proc)
-    log = done[0].stdout + done[0].stderr
-    assert re.search(r"Loaded checkpoint .*checkpoint_last\.pt \(epoch \d+ @ 2 updates\)", log)
-    assert [int(s["num_updates"]) for s in parse_stats(log)["train_inner"]] == [3, 4]
+        # the fix undone: fairseq's weights-only torch.load of what process 0 sent
+        undone = launch_ranks(lambda rank, init: train_cmd(
+            testkit, runs.data, "translation", save, "--batch-size", b, *NO_SHUFFLE,
+            "--max-update", "6", *rank_args(rank, init, 2, "legacy_ddp")),
+            tmp_path, dict(env(), RDROP_TEST_UNDO_BROADCAST_FIX="1"))
+        assert undone[1].returncode != 0
+        assert "Unsupported global: GLOBAL omegaconf.dictconfig.DictConfig" in undone[1].stderr

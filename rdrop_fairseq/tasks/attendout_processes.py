@@ -123,25 +123,3 @@ def unwrap_model(model):
         model = model.module
     return model
 
-
-# fairseq's sentence_prediction options whose metrics (GLUE's MCC, F1, Pearson and
-# Spearman) are computed from lists of predictions in the logging outputs
-PREDICTION_REPORTS = ("report_mcc", "report_acc_and_f1", "report_pearson_and_spearman")
-
-
-def reports_predictions(criterion):
-    """Whether ``criterion`` logs lists of predictions, which fairseq cannot sum over the
-    processes (its fast sum fails on them), only gather."""
-    return any(getattr(criterion, flag, False) for flag in PREDICTION_REPORTS)
-
-
-def check_gathered_metrics(criterion, cfg, world_size):
-    """Refuse what fairseq cannot gather: lists of predictions from several processes on
-    the CPU (its ``all_gather_list`` goes through a CUDA tensor)."""
-    if world_size > 1 and reports_predictions(criterion) and getattr(cfg, "cpu", False):
-        flags = ", ".join("--" + f.replace("_", "-") for f in PREDICTION_REPORTS
-                          if getattr(criterion, f, False))
-        raise ValueError(
-            f"{flags} under {world_size} processes on the CPU: fairseq gathers those "
-            "predictions from the processes through CUDA; run one process, or leave the "
-            "flag out")

@@ -57,14 +57,9 @@ from ..models.attendout_layers import (
     pack_mask,
     search_option,
 )
-from .attendout_processes import (
-    check_distributed_options,
-    check_gathered_metrics,
-    reports_predictions,
-    search_state,
-    unwrap_model,
-)
+from .attendout_processes import check_distributed_options, search_state, unwrap_model
 from .attendout_pruning import AttendOutPruning, describe_step
+from .gathered_metrics import check_gathered_metrics, logging_outputs_can_be_summed
 
 logger = logging.getLogger(__name__)
 
@@ -190,12 +185,9 @@ class SentencePredictionAttendOutTask(SentencePredictionTask):
         check_gathered_metrics(criterion, self.cfg, self.pruning.processes.world_size)
         return criterion
 
-    @staticmethod
-    def logging_outputs_can_be_summed(criterion):
-        """fairseq sums the processes' logging outputs before the metrics where it can; the
-        GLUE metrics' lists of predictions (--report-mcc, ...) it cannot, so with them it
-        gathers the outputs instead (and every process's predictions count)."""
-        return criterion.logging_outputs_can_be_summed() and not reports_predictions(criterion)
+    # GLUE's list metrics (--report-mcc, ...) gathered from the processes, as the plugin
+    # makes fairseq's sentence_prediction do (tasks/gathered_metrics.py)
+    logging_outputs_can_be_summed = staticmethod(logging_outputs_can_be_summed)
 
     def build_model(self, cfg, from_checkpoint=False):
         model = super().build_model(cfg, from_checkpoint)

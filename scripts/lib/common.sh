@@ -185,10 +185,6 @@ sys.exit(torch.cuda.device_count() < $GPUS)" 2>/dev/null; then
   DEVICES=$(( GPUS * NODES ))
   EVAL_DEVICE=()
   DEVICE_ARGS=(distributed_training.distributed_world_size=$DEVICES)
-  # several processes: each reads the checkpoint it resumes or starts from itself (fairseq's
-  # default sends it from process 0 through torch.load, whose weights-only default, from
-  # torch 2.6 on, refuses the config it holds: tests/test_distributed.py)
-  (( DEVICES == 1 )) || DEVICE_ARGS+=(checkpoint.load_checkpoint_on_all_dp_ranks=true)
   PRECISION=fp32
   if [ "${BF16:-0}" = 1 ]; then
     DEVICE_ARGS+=(common.bf16=true) PRECISION=bf16
