@@ -23,11 +23,15 @@ __version__ = "0.1.0"
 def register():
     """Register the plugin's criteria, models and tasks with fairseq (imports fairseq).
 
-    Never needed after ``import fairseq`` or under ``--user-dir``; harmless to repeat. (The
-    two fairseq 0.12 bugs the summarization recipe hits are fixed by that recipe alone, not
+    Never needed after ``import fairseq`` or under ``--user-dir``; harmless to repeat. It
+    also lets fairseq 0.12's data paths run under NumPy 2 (see numpy_compat). (The two
+    fairseq 0.12 bugs the summarization recipe hits are fixed by that recipe alone, not
     here: see fairseq_fixes.)
     """
     from . import criterions, models, tasks  # noqa: F401
+    from .numpy_compat import repair_fairseq_numpy
+
+    repair_fairseq_numpy()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
