@@ -40,7 +40,7 @@ check() {
     env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -) <<'PY'
 import importlib.util, os, sys
 import matplotlib  # before fairseq, whose import sets the root logger to DEBUG
-import peft, trl  # (datasets, which trl imports, would log at DEBUG then)
+import datasets, peft, trl  # (datasets, which trl and the Trainer import, would log at DEBUG)
 import fairseq, numpy, torch, rdrop_fairseq
 import pyarrow, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
 import tensorboardX, tokenizers, triton, xdist
