@@ -28,7 +28,7 @@ setup(
         # Chinese, ROUGE, plots,
         # a GPT-2-format byte-level BPE learnt for the LibreOffice summarization check;
         # safetensors + tokenizers: the Hugging Face BERT converter, convert_hf_bert;
-        # pyarrow: CNN/DailyMail's parquet files (26 needs NumPy 2; fairseq pins NumPy 1);
+        # pyarrow: CNN/DailyMail's parquet files (the suite runs with 25);
         # pillow: ImageNet's images for scripts/vit.sh (matplotlib needs it too);
         # the downloader, rdrop_fairseq.recipes.fetch: requests and urllib3 (retries,
         # time-outs, resumes; tested with requests 2.34.2, urllib3 2.8.0), filelock (runs take
@@ -48,7 +48,7 @@ setup(
         # gradient-accumulation rules differ between patch releases (docs/huggingface.md)
         "hf": ["transformers>=4.49.0,<6", "accelerate>=1.0.1", "scikit-learn", "scipy"],
         # RDropMixin with TRL's SFTTrainer and PEFT's LoRA (docs/huggingface.md), tested
-        # with trl 1.16.0 and peft 0.21.2; pandas 3 needs NumPy 2, and fairseq NumPy 1
+        # with trl 1.16.0 and peft 0.21.2, and pandas 2 (pandas 3 not yet tried)
         "hf-sft": ["trl>=1.16", "peft>=0.21.2", "pandas<3"],
     },
     classifiers=[

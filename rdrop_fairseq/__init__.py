@@ -30,16 +30,19 @@ def register():
       ``--report-acc-and-f1``, ``--report-pearson-and-spearman`` from the processes
       instead of failing to sum them (:mod:`.tasks.gathered_metrics`).
 
-    Never needed after ``import fairseq`` or under ``--user-dir``; harmless to repeat. (The
-    two fairseq 0.12 bugs the summarization recipe hits are fixed by that recipe alone, not
+    Never needed after ``import fairseq`` or under ``--user-dir``; harmless to repeat. It
+    also lets fairseq 0.12's data paths run under NumPy 2 (see numpy_compat). (The two
+    fairseq 0.12 bugs the summarization recipe hits are fixed by that recipe alone, not
     here: see fairseq_fixes.)
     """
     from . import criterions, models, tasks  # noqa: F401
     from .checkpoint_compat import trust_broadcasts_within_the_job
+    from .numpy_compat import repair_fairseq_numpy
     from .tasks.gathered_metrics import gather_sentence_prediction_metrics
 
     trust_broadcasts_within_the_job()
     gather_sentence_prediction_metrics()
+    repair_fairseq_numpy()
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -40,7 +40,7 @@ check() {
     env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -) <<'PY'
 import importlib.util, os, sys
 import matplotlib  # before fairseq, whose import sets the root logger to DEBUG
-import peft, trl  # (datasets, which trl imports, would log at DEBUG then)
+import datasets, peft, trl  # (datasets, which trl and the Trainer import, would log at DEBUG)
 import fairseq, numpy, torch, rdrop_fairseq
 import pyarrow, pytest, rouge_score, sacremoses, safetensors, sentencepiece, subword_nmt
 import tensorboardX, tokenizers, triton, xdist
@@ -62,6 +62,37 @@ import accelerate, transformers
 from transformers import Trainer  # the real import (transformers' top level is lazy)
 if not os.path.isfile(os.path.join(os.environ["MINILM_DIR"], "model.safetensors")):
     sys.exit(f"[setup] no MiniLM in {os.environ['MINILM_DIR']}")
+# NumPy 2, what requirements/fairseq.txt installs (an environment made with NumPy 1 before
+# is upgraded), and one training step on fairseq's language-model data path: the blocks of
+# TokenBlockDataset (break mode "eos" reads numpy.compat, which NumPy 2 removed and the
+# plugin restores for fairseq) through a 1-layer transformer_lm and the R-Drop criterion
+if int(numpy.__version__.split(".")[0]) < 2:
+    sys.exit(f"[setup] numpy {numpy.__version__} in {sys.prefix}: the set-up installs NumPy 2")
+import logging, warnings
+logging.disable(logging.WARNING)  # (hydra's deprecation warnings, the criterion's log line)
+warnings.simplefilter("ignore")
+from fairseq import options
+from fairseq.data import Dictionary, MonolingualDataset, TokenBlockDataset
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.tasks.language_modeling import LanguageModelingTask
+d = Dictionary()
+lines = [torch.tensor([d.add_symbol(w) for w in s] + [d.eos()]) for s in ("abc", "dea", "f")]
+blocks = TokenBlockDataset(lines, [len(x) for x in lines], None, d.pad(), d.eos(),
+                           break_mode="eos", include_targets=True)
+lm = MonolingualDataset(blocks, blocks.sizes, d, d, False, shuffle=False, targets=["future"])
+cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(
+    options.get_training_parser(), ["/", "--task", "language_modeling", "--arch",
+    "transformer_lm", "--decoder-layers", "1", "--decoder-embed-dim", "8",
+    "--decoder-ffn-embed-dim", "8", "--decoder-attention-heads", "1", "--criterion",
+    "cross_entropy_rdrop", "--rdrop-alpha", "1", "--dropout", "0.1"]))
+task = LanguageModelingTask(cfg.task, d)
+model, criterion = task.build_model(cfg.model), task.build_criterion(cfg.criterion)
+model.train()
+loss = criterion(model, lm.collater([lm[i] for i in range(len(lm))]))[0]
+loss.backward()
+torch.optim.SGD(model.parameters(), lr=0.1).step()
+if not torch.isfinite(loss):
+    sys.exit(f"[setup] the language-model step gave the loss {loss}")
 print(f"[setup] ok: torch {torch.__version__}, fairseq {fairseq.__version__}, "
       f"numpy {numpy.__version__}, transformers {transformers.__version__}, "
       f"rdrop_fairseq {rdrop_fairseq.__version__}")

@@ -7,12 +7,18 @@
 # Extra arguments go to pytest (e.g. tests/test_core.py, -k criteria, -x; -n 0: one process).
 # The tests run on every core (pytest-xdist), a test file per worker: most of them wait on
 # single-threaded fairseq runs, and a file's tests share its module fixtures.
+# PYTHON: another interpreter (e.g. PYTHON=python3.12), set up in an environment of its own,
+# .venv-X.Y (.venv-3.12) unless VENV names one (scripts/setup.sh takes both).
 # TEST_PYTHON: run with that interpreter's environment instead (no set-up: a machine
 # without network, scripts/gpu_check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${TEST_PYTHON:-.venv/bin/python}
+if [ -n "${PYTHON:-}" ] && [ -z "${VENV:-}" ]; then
+  VENV=.venv-$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  export VENV
+fi
 [ -n "${TEST_PYTHON:-}" ] || bash scripts/setup.sh
+PYTHON=${TEST_PYTHON:-${VENV:-.venv}/bin/python}
 if [ "${1:-}" = "--fast" ]; then
   shift
   set -- -m "not slow" tests/test_core.py tests/test_criteria.py tests/test_fused_linear.py \

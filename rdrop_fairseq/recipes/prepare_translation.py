@@ -96,7 +96,7 @@ def read_lines(path):
 
 @functools.lru_cache(maxsize=None)
 def _non_printing():
-    """A regex of every Unicode ``\p{C}`` character, which remove-non-printing-char.perl
+    r"""A regex of every Unicode ``\p{C}`` character, which remove-non-printing-char.perl
     replaces by a space (built once: Python's re has no ``\p{...}``)."""
     ranges, start = [], None
     for i in range(sys.maxunicode + 2):
