@@ -32,7 +32,8 @@ transformers.
 The package has three rooms: :mod:`.trainers` (the mixin and trainers, their checks),
 :mod:`.loss` (everything a training batch touches) and :mod:`.kind` (the probe that reads
 how a model's logits line up with its labels); :mod:`.model` holds what they read off a
-model. This module gives their public names.
+model (and the decoder inputs made from labels), :mod:`.fused_head` what the fused path
+installs on a language-model head. This module gives their public names.
 """
 
 from ..core import RDropBatchError

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from .loss import FusedHead, decoder_inputs
-from .model import (IGNORE_INDEX, KINDS, head_module, is_task, logits_bias, logits_of,
-                    router_loss, takes, unwrap)
+from .fused_head import FusedHead
+from .model import (IGNORE_INDEX, KINDS, decoder_inputs, head_module, is_task, logits_bias,
+                    logits_of, router_loss, takes, unwrap)
 
 __all__ = ["model_kind", "read_kind", "check_fused_head", "kinds_read_from_loss",
            "random_state_kept"]

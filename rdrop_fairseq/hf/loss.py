@@ -9,7 +9,6 @@ against the head (shapes always, values on the first batch, then on the device w
 waiting); the sum is divided by the labelled items of one pass (:func:`labelled_items`).
 """
 
-import contextvars
 import math
 from collections import namedtuple
 from collections.abc import Mapping
@@ -20,11 +19,12 @@ import torch.nn.functional as F
 from ..core import RDropBatchError, duplicate_net_input, mse_consistency, rdrop_loss
 from ..fused_linear import fused_linear_rdrop_loss
 from ..options import check_every, runs_rdrop
-from .model import (IGNORE_INDEX, head_module, logits_bias, logits_of, router_loss, takes,
-                    unwrap)
+from .fused_head import fused_call
+from .model import (IGNORE_INDEX, decoder_inputs, head_module, logits_bias, logits_of,
+                    router_loss, takes, unwrap)
 
 __all__ = ["RDropHFLoss", "rdrop_hf_loss", "plain_hf_loss", "labelled_items", "doubled_batch",
-           "decoder_inputs", "FusedHead"]
+           "decoder_inputs"]
 
 # Batch entries that hold images or videos in the order they appear in the batch (Qwen-VL's
 # flattened patches with their grids, LLaVA's images, Idefics' per-example stacks): [x; x]
@@ -273,86 +273,10 @@ def doubled_batch(features, batch):
     return {**duplicate_net_input(rest, batch, _path="inputs"), **visual}
 
 
-def decoder_inputs(inner, labels):
-    """The decoder inputs an encoder-decoder model makes from its labels: its own
-    ``prepare_decoder_input_ids_from_labels``, else the labels shifted right after the
-    decoder's start token, -100 as padding (what transformers' models without that method
-    do)."""
-    prepare = getattr(inner, "prepare_decoder_input_ids_from_labels", None)
-    if callable(prepare):
-        return prepare(labels=labels)
-    config = inner.config
-    decoder = getattr(config, "decoder", None)
-    start = getattr(config, "decoder_start_token_id", None)
-    pad = getattr(config, "pad_token_id", None)
-    if start is None or pad is None:
-        start = getattr(decoder, "decoder_start_token_id", start)
-        pad = getattr(decoder, "pad_token_id", pad)
-    if start is None or pad is None:
-        raise ValueError(f"{type(inner).__name__} has no decoder_start_token_id and "
-                         "pad_token_id in its configuration, from which the decoder inputs "
-                         "are made: set them")
-    shifted = torch.cat([labels.new_full(labels[:, :1].shape, start), labels[:, :-1]], dim=1)
-    return shifted.masked_fill(shifted.eq(IGNORE_INDEX), pad)
-
-
-# The fused R-Drop forward this thread (this context) is inside: what the output embedding's
-# forward computes while it is set (:class:`FusedHead`)
-_ACTIVE = contextvars.ContextVar("rdrop_fused_head_call", default=None)
-
-
-class _FusedCall:
-    """One fused forward's request and results: the head it is for, what computes R-Drop's
-    loss from the hidden states, the results, and the head's output as its hooks leave it."""
-
-    def __init__(self, head, compute):
-        self.head, self.compute, self.results, self.returned = head, compute, [], []
-
-
-class FusedHead:
-    """What the fused path installs on an output embedding, once: its instance ``forward``
-    and a forward hook kept last among the head's hooks. Called outside a fused R-Drop
-    forward, the forward is the head's own; inside one (this thread's :data:`_ACTIVE`), it
-    computes R-Drop's loss from the hidden states it receives and returns it as a 1-element
-    stand-in for the logits, and the hook takes that stand-in as the other hooks leave it
-    (DeepSpeed ZeRO-3's turn it into a tensor whose backward gathers the weight again). So
-    no per-call state lives on the module: overlapping calls from other threads, and plain
-    calls of the model, see the head's own forward. Both run outside ``torch.compile``'s
-    graphs (a graph break at the head), so that a compiled model takes the fused path."""
-
-    def __init__(self, head):
-        self.head = head
-        self.hook = head.register_forward_hook(self.record)
-
-    @classmethod
-    def on(cls, head):
-        """The head's :class:`FusedHead`, installed if it has none, its hook made last."""
-        installed = vars(head).get("forward")
-        if not isinstance(installed, cls):
-            installed = cls(head)
-            head.forward = installed
-        # after the hooks registered since (a DeepSpeed engine made after an earlier step)
-        head._forward_hooks.move_to_end(installed.hook.id)
-        return installed
-
-    @torch.compiler.disable
-    def __call__(self, hidden, *args, **kwargs):
-        call = _ACTIVE.get()
-        if call is None or call.head is not self.head:
-            return type(self.head).forward(self.head, hidden, *args, **kwargs)
-        return call.compute(hidden)
-
-    @torch.compiler.disable
-    def record(self, module, args, output):
-        call = _ACTIVE.get()
-        if call is not None and call.head is module:
-            call.returned.append(output)
-
-
 def _fused_forward(model, inputs, target, *, alpha, smoothing, chunk_mb, impl, check_labels,
                    predictions=None):
     """One forward of ``inputs`` in which the output embedding's own call computes R-Drop's
-    loss from the hidden states it receives (:class:`FusedHead`): its weight is used where
+    loss from the hidden states it receives (:class:`~rdrop_fairseq.hf.fused_head.FusedHead`): its weight is used where
     the model uses it, whole under FSDP and ZeRO-3 (which gather it for the call), and
     reached from the outputs for DDP's search for unused parameters, since the head returns
     the loss as a 1-element stand-in for the logits (whatever the model adds to its logits,
@@ -377,13 +301,8 @@ def _fused_forward(model, inputs, target, *, alpha, smoothing, chunk_mb, impl, c
         call.results.append(result)
         return result.total.view((1,) * hidden.dim())
 
-    FusedHead.on(head)
-    call = _FusedCall(head, compute)
-    token = _ACTIVE.set(call)
-    try:
+    with fused_call(head, compute) as call:
         outputs = model(**inputs)
-    finally:
-        _ACTIVE.reset(token)
     if len(call.results) != 1:
         raise ValueError(f"rdrop_fused_linear: the model called its output embedding "
                          f"{len(call.results)} times in one forward, not once")

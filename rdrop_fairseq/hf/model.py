@@ -1,5 +1,7 @@
 """What the Hugging Face layer reads off a model and its output, shared by the loss
-(:mod:`.loss`), the kind probe (:mod:`.kind`) and the trainers (:mod:`.trainers`)."""
+(:mod:`.loss`), the kind probe (:mod:`.kind`) and the trainers (:mod:`.trainers`), and the
+decoder inputs an encoder-decoder model makes from its labels (both the loss and the probe
+make them)."""
 
 import inspect
 from collections.abc import Mapping
@@ -8,7 +10,7 @@ import torch
 from transformers.models.auto import modeling_auto as auto
 
 __all__ = ["IGNORE_INDEX", "KINDS", "unwrap", "is_task", "logits_of", "router_loss", "takes",
-           "head_module", "logits_bias"]
+           "head_module", "logits_bias", "decoder_inputs"]
 
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
 
@@ -106,3 +108,26 @@ def logits_bias(model, head):
         return head.bias
     extra = extra.view(-1).to(head.weight.dtype)
     return extra if head.bias is None else head.bias + extra
+
+
+def decoder_inputs(inner, labels):
+    """The decoder inputs an encoder-decoder model makes from its labels: its own
+    ``prepare_decoder_input_ids_from_labels``, else the labels shifted right after the
+    decoder's start token, -100 as padding (what transformers' models without that method
+    do)."""
+    prepare = getattr(inner, "prepare_decoder_input_ids_from_labels", None)
+    if callable(prepare):
+        return prepare(labels=labels)
+    config = inner.config
+    decoder = getattr(config, "decoder", None)
+    start = getattr(config, "decoder_start_token_id", None)
+    pad = getattr(config, "pad_token_id", None)
+    if start is None or pad is None:
+        start = getattr(decoder, "decoder_start_token_id", start)
+        pad = getattr(decoder, "pad_token_id", pad)
+    if start is None or pad is None:
+        raise ValueError(f"{type(inner).__name__} has no decoder_start_token_id and "
+                         "pad_token_id in its configuration, from which the decoder inputs "
+                         "are made: set them")
+    shifted = torch.cat([labels.new_full(labels[:, :1].shape, start), labels[:, :-1]], dim=1)
+    return shifted.masked_fill(shifted.eq(IGNORE_INDEX), pad)
