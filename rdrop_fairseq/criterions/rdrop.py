@@ -27,7 +27,8 @@ from omegaconf import II
 
 from ..core import RDropBatchError, duplicate_net_input, rdrop_loss
 from ..fused_linear import fused_linear_rdrop_loss
-from ..options import IMPLS, check_impl, has_dropout, non_negative
+from ..ops.impl import check_impl
+from ..options import IMPLS, has_dropout, non_negative
 
 logger = logging.getLogger(__name__)
 
