@@ -15,10 +15,10 @@ logits' gradient is computed during the forward, in the logits' own dtype, and t
 only scales it. That gradient is the one ``2N x V`` tensor we allocate, in the scores'
 dtype: for fp16/bf16 scores nothing ``2N x V`` is float32; for float32 scores the gradient
 buffer *is* ``2N x V`` float32, unless ``grad_in_scores`` lets us write it into the scores'
-own buffer. On CUDA a Triton kernel does the whole row-pair computation in one launch
-(:mod:`rdrop_fairseq.ops.rows_triton`); elsewhere a chunked torch implementation does the
-same (:mod:`rdrop_fairseq.ops.rows_torch`); :mod:`rdrop_fairseq.ops.rows` is the contract
-they share. docs/design.md has the derivation and the memory accounting.
+own buffer. On CUDA a Triton kernel does the whole row-pair computation in one launch;
+elsewhere a chunked torch implementation does the same; both are called through
+:func:`rdrop_fairseq.ops.impl.run_rows` and share the contract :mod:`rdrop_fairseq.ops.rows`.
+docs/design.md has the derivation and the memory accounting.
 """
 
 from collections import namedtuple
@@ -26,10 +26,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .ops.impl import run_with_fallback
+from .ops.impl import run_rows, run_with_fallback
 from .ops.rows import (RDropBatchError, chunk_rows_for, coefficients, compute_dtype,
                        finish_forward, kept_rows, saved_grads, target_ids)
-from .ops.rows_torch import rows_torch
 from .options import non_negative
 
 __all__ = [
@@ -230,14 +229,8 @@ class _FusedRDrop(torch.autograd.Function):
         t = target if target is not None else torch.zeros(n, dtype=torch.long, device=pairs.device)
         need_grad = ctx.needs_input_grad[0]  # False under no_grad (rdrop_loss detaches there)
         out = pairs if need_grad and into_scores else None
-        if impl == "triton":
-            from .ops.rows_triton import rdrop_rows_triton
-
-            grad, stats = rdrop_rows_triton(pairs, t, kept, from_logits=not log_probs,
-                                            need_grad=need_grad, out=out, **coef)
-        else:
-            grad, stats = rows_torch(pairs, t, kept, not log_probs, chunk_rows, need_grad,
-                                     out=out, **coef)
+        grad, stats = run_rows(impl, pairs, t, kept, from_logits=not log_probs,
+                               need_grad=need_grad, out=out, chunk_rows=chunk_rows, **coef)
         # fp16 gradients are stored scaled per row pair (0 for an excluded row, whose stored
         # factor may be nan); in other dtypes the factor is 1 and the backward a scalar's
         ctx.row_factor = (torch.where(kept, stats[4], 0)

@@ -5,9 +5,9 @@ computes from ``logits = features @ weight.T (+ bias)``, a chunk of row *pairs* 
 (pass 1 and pass 2 of the same position together, as the KL needs). Per chunk:
 
 1. the chunk's logits, one matrix product in the model's dtype;
-2. their row statistics, and their gradient written over them: the Triton row kernel
-   (:mod:`rdrop_fairseq.ops.rows_triton`, one launch) with ``impl="triton"``, the
-   chunked torch ops (:func:`rdrop_fairseq.ops.rows_torch.rows_torch`) with ``impl="torch"``;
+2. their row statistics, and their gradient written over them
+   (:func:`rdrop_fairseq.ops.impl.run_rows`: the Triton row kernel, one launch, with
+   ``impl="triton"``, the chunked torch ops with ``impl="torch"``);
 3. the features' gradient and the chunk's share of the weight's (and bias's) gradient,
    two more products in the model's dtype.
 
@@ -29,8 +29,9 @@ that float32 sum directly (``out_dtype``); where torch cannot (CPU), each chunk'
 rounded once to the model's dtype before it is added. For fp16 the logits' gradient is
 stored scaled per row pair by a power of two (most entries are ~1/V, fp16 subnormals);
 the features' gradient undoes the scale on its small ``r x d`` result, and the weight's
-product takes it in the features' rows (times the power of two :data:`FP16_TARGET_MAX`,
-which the product's ``alpha`` removes), so no operand is upcast.
+product takes it in the features' rows (times the power of two
+:data:`FP16_PRODUCT_TARGET_MAX`, which the product's ``alpha`` removes), so no operand is
+upcast.
 """
 
 from collections import namedtuple
@@ -38,11 +39,10 @@ from collections import namedtuple
 import torch
 
 from .core import RDropLoss, check_alpha_epsilon
-from .ops.impl import run_with_fallback
+from .ops.impl import run_rows, run_with_fallback
 from .ops.rows import (RDropBatchError, chunk_budget_mb, chunk_bytes_per_pair, chunk_rows_for,
                        coefficients, compute_dtype, finish_forward, kept_rows, saved_grads,
                        target_ids)
-from .ops.rows_torch import rows_torch
 
 # With --rdrop-chunk-mb 0 (automatic), at least this many row pairs per chunk: every chunk
 # reads the whole V x d weight twice and updates its V x d gradient, so small chunks make
@@ -52,10 +52,11 @@ from .ops.rows_torch import rows_torch
 # scripts/gpu_check.sh measures a sweep of chunk sizes.
 MIN_AUTO_PAIRS = {"cpu": 64, "cuda": 256}
 
-# fp16: each row pair's gradient is stored scaled so that a bound on its largest entry is
-# near this power of two; less headroom than the logits path's 2**14, because here the
+# fp16, this path's own target for the stored gradient's scale: each row pair's gradient
+# is scaled so that a bound on its largest entry is near this power of two; less headroom
+# than the logits path's 2**14 (rdrop_fairseq.ops.rows.FP16_TARGET_MAX), because here the
 # scaled gradient is multiplied by the weight in fp16 (the features' gradient product).
-FP16_TARGET_MAX = 2.0 ** 10
+FP16_PRODUCT_TARGET_MAX = 2.0 ** 10
 
 # (op name, device type) for which torch refused out_dtype=float32 (older torch): not tried again
 _NO_FLOAT32_OUT = set()
@@ -74,9 +75,9 @@ def fused_linear_rdrop_loss(features, weight, target, *, bias=None, alpha=0.0, e
         target, epsilon, ignore_index, keep, alpha: as :func:`core.rdrop_loss` (``target``
             of one pass, ``(B, ...)``).
         chunk_mb: bound, in MiB, on one chunk: its logits (model dtype) with ``impl``
-            triton, also the core's float32 temporaries with torch; 0 = automatic
-            (:data:`core.AUTO_CHUNK_MB`, and at least :data:`MIN_AUTO_PAIRS` row pairs).
-            An explicit budget is kept exactly.
+            triton, also the torch implementation's float32 temporaries with torch; 0 =
+            automatic (:data:`rdrop_fairseq.ops.rows.AUTO_CHUNK_MB`, and at least
+            :data:`MIN_AUTO_PAIRS` row pairs). An explicit budget is kept exactly.
         predictions: optional ``(2, B*...)`` long tensor that receives each row's argmax
             (for ``--report-accuracy``), taken before the logits become the gradient.
         impl: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``),
@@ -177,8 +178,10 @@ class _FusedLinearRDrop(torch.autograd.Function):
             scores = logits.view(end - start, 2, -1).transpose(0, 1)  # (2, r, V): pass 1, 2
             if predictions is not None:
                 torch.argmax(scores, -1, out=predictions[:, start:end])
-            _row_pairs(impl, scores, target[start:end], kept[start:end], buf.need_grad,
-                       buf.stats[:, start:end], coef, buf.core_rows)
+            # their statistics, and their gradient over them (fp16: scaled per row pair)
+            run_rows(impl, scores, target[start:end], kept[start:end], from_logits=True,
+                     need_grad=buf.need_grad, out=scores, stats=buf.stats[:, start:end],
+                     fp16_target_max=FP16_PRODUCT_TARGET_MAX, chunk_rows=buf.core_rows, **coef)
             if buf.need_grad:  # logits now hold their gradient
                 _gradient_products(buf, logits, block, weight, kept, start, end)
         ctx.layout = (need_x, need_w, need_b, buf.dim, pairs.dtype, weight.dtype,
@@ -212,7 +215,9 @@ def _buffers(pairs, vocab, need_x, need_w, need_b, chunk_rows):
     grad_wb = torch.zeros((vocab, width), dtype=acc, device=device) if need_w or need_b else None
     zero = torch.zeros((), dtype=pairs.dtype, device=device)
     stats = torch.empty((5, n), dtype=acc, device=device)
-    # the torch implementation's own chunk within a block: what its passes keep in cache
+    # the torch implementation's own chunk within a block: a block is sized for the products
+    # with the weight (at least MIN_AUTO_PAIRS pairs), the torch ops' ~30 passes over a
+    # chunk for the cache
     core_rows = min(chunk_rows, chunk_rows_for(vocab, pairs, 0.0, need_grad))
     scaled = need_grad and pairs.dtype == torch.float16  # the gradient's per-row scale
     return _Buffers(rows, grad_rows, grad_wb, stats, zero, dim, scaled, need_grad, core_rows)
@@ -237,27 +242,10 @@ def _gradient_products(buf, g, block, weight, kept, start, end):
     if buf.grad_wb is not None:
         xs = block.view(2 * r, block.size(-1))
         if buf.scaled:  # the scale goes into the rows, times 2**k that alpha removes
-            xs = torch.mul(block, factor * FP16_TARGET_MAX,
+            xs = torch.mul(block, factor * FP16_PRODUCT_TARGET_MAX,
                            out=torch.empty_like(block)).view(2 * r, block.size(-1))
-            alpha_w = 1.0 / FP16_TARGET_MAX
+            alpha_w = 1.0 / FP16_PRODUCT_TARGET_MAX
         _add_product(buf.grad_wb, g.t(), xs, alpha_w, buf.zero)
-
-
-def _row_pairs(impl, scores, target, kept, need_grad, stats, coef, core_rows):
-    """Row statistics of ``scores`` (2, r, V) into ``stats`` (5, r); with ``need_grad``
-    their gradient over them (fp16: scaled per row pair, stats[4] undoes it). The torch
-    implementation walks the block ``core_rows`` row pairs at a time: a block is sized for
-    the products with the weight (at least MIN_AUTO_PAIRS pairs), the core's ~30 passes
-    over a chunk for the cache."""
-    if impl == "triton":
-        from .ops.rows_triton import rdrop_rows_triton
-
-        rdrop_rows_triton(scores, target, kept, from_logits=True, need_grad=need_grad,
-                          out=scores, stats=stats, fp16_target_max=FP16_TARGET_MAX, **coef)
-    else:
-        _, chunk_stats = rows_torch(scores, target, kept, True, core_rows, need_grad,
-                                    out=scores, fp16_max=FP16_TARGET_MAX, **coef)
-        stats.copy_(chunk_stats)
 
 
 def _times(grad, g_total, dtype):

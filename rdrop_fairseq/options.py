@@ -2,7 +2,8 @@
 trainers, :func:`rdrop_fairseq.hf.rdrop_hf_loss` and the plain-PyTorch functions.
 
 * :func:`non_negative`: alpha and the chunk budget, finite numbers >= 0;
-* :func:`check_impl`: the implementation (:data:`IMPLS`), and whether this run can use it;
+* :data:`IMPLS`: the implementations of the fused loss (whether this run can use one is
+  :func:`rdrop_fairseq.ops.impl.check_impl`'s question: the implementations live there);
 * :func:`has_dropout`: whether the model's two passes can differ at all;
 * :func:`check_every` and :func:`runs_rdrop`: R-Drop on one optimizer update in K.
 
@@ -12,11 +13,10 @@ transformers.
 """
 
 import math
-import os
 
 import torch
 
-__all__ = ["IMPLS", "non_negative", "check_impl", "has_dropout", "check_every", "runs_rdrop"]
+__all__ = ["IMPLS", "non_negative", "has_dropout", "check_every", "runs_rdrop"]
 
 # the implementations of the fused loss: "auto" is the Triton kernel on CUDA (where triton
 # imports and the kernel runs), the chunked torch ops elsewhere
@@ -58,44 +58,6 @@ def runs_rdrop(update, every):
     micro-batch of an update and on every process) runs R-Drop when it runs on one update
     in ``every``: the updates 0, K, 2K, ... A Python int: nothing waits for the GPU."""
     return every == 1 or update % every == 0
-
-
-def _spelled(option, value):
-    """``value`` of ``option`` as its user writes it: ``--rdrop-impl triton`` on a command
-    line, ``rdrop_impl 'triton'`` as a keyword."""
-    return f"{option} {value}" if option.startswith("--") else f"{option} {value!r}"
-
-
-def check_impl(impl, option="impl", cpu_option=None, tensor=None):
-    """``impl`` if it is one of :data:`IMPLS` and can run here; else a ValueError naming
-    ``option`` and what to use instead. ``triton`` needs the triton package, and a CUDA GPU
-    (CUDA tensors, where ``tensor`` says what a call runs on) unless ``TRITON_INTERPRET=1``
-    runs Triton's interpreter on the CPU (the tests'). ``cpu_option``: the caller's option
-    that put this run on the CPU (``--cpu``, ``use_cpu``), where it is set."""
-    if impl not in IMPLS:
-        raise ValueError(f"{option} must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl != "triton":
-        return impl
-    from .ops.rows_triton import triton_available
-
-    asked = _spelled(option, impl)
-    other = " or ".join(_spelled(option, name) for name in ("auto", "torch"))
-    if not triton_available():
-        raise ValueError(f"{asked} needs the triton package (pip install triton; it ships "
-                         f"with torch's CUDA wheels); use {other}")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return impl
-    if cpu_option:
-        raise ValueError(f"{asked} needs a CUDA GPU, and {cpu_option} trains on the CPU: use "
-                         f"{other} (the torch implementation on the CPU), or drop {cpu_option}")
-    if tensor is not None and not tensor.is_cuda:
-        raise ValueError(f"{asked} needs CUDA tensors, or TRITON_INTERPRET=1 (set before the "
-                         "kernel is imported) to run Triton's interpreter on CPU tensors; "
-                         f"got a tensor on {tensor.device}")
-    if tensor is None and not torch.cuda.is_available():
-        raise ValueError(f"{asked} needs a CUDA GPU, and none is available: use {other} "
-                         "(the torch implementation on the CPU)")
-    return impl
 
 
 def has_dropout(model, dropout_types=(), config=None):

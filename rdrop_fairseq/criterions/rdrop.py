@@ -28,7 +28,8 @@ from omegaconf import II
 
 from ..core import RDropBatchError, duplicate_net_input, rdrop_loss
 from ..fused_linear import fused_linear_rdrop_loss
-from ..options import IMPLS, check_every, check_impl, has_dropout, non_negative, runs_rdrop
+from ..ops.impl import check_impl
+from ..options import IMPLS, check_every, has_dropout, non_negative, runs_rdrop
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from packaging.version import Version
 from transformers import Seq2SeqTrainer, Trainer
 
 from ..core import RDropBatchError
-from ..options import check_every, check_impl, has_dropout, non_negative, runs_rdrop
+from ..ops.impl import check_impl
+from ..options import check_every, has_dropout, non_negative, runs_rdrop
 from .kind import kinds_read_from_loss, model_kind
 from .loss import labelled_items, rdrop_hf_loss
 from .model import KINDS, unwrap

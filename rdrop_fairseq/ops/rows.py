@@ -4,7 +4,8 @@ their callers.
 A *row pair* is one position seen by both passes: row ``i`` of ``pairs[0]`` (pass 1) and of
 ``pairs[1]`` (pass 2), ``pairs`` being ``(2, N, V)`` scores (logits, or log-probabilities).
 An implementation (:func:`~rdrop_fairseq.ops.rows_torch.rows_torch`, chunked torch ops;
-:func:`~rdrop_fairseq.ops.rows_triton.rdrop_rows_triton`, one Triton launch) takes
+:func:`~rdrop_fairseq.ops.rows_triton.rdrop_rows_triton`, one Triton launch), called
+through :func:`~rdrop_fairseq.ops.impl.run_rows` with one signature, takes
 
 * the pairs, one class id per position (:func:`target_ids`) and the positions that count
   (:func:`kept_rows`, a ``(N,)`` bool);

@@ -16,21 +16,26 @@ from collections import namedtuple
 
 import torch
 
-from .rows import FP16_TARGET_MAX, compute_dtype
+from .rows import FP16_TARGET_MAX, chunk_rows_for, compute_dtype
 
 __all__ = ["rows_torch", "chunk_statistics", "chunk_gradient", "shifted_statistics",
            "scale_for_fp16"]
 
-# One chunk's views: its scores ``x`` (2, r, V), target ids ``t`` (2, r, 1), kept rows
-# ``k`` (1, r, 1); the per-row results ``at`` (target's score), ``sums``, ``dots`` (KL row
-# dots), ``norms`` (softmax normalisers), ``inv`` (fp16 scale's inverse); its gradient
-# ``g``; its work buffer ``lp`` (2, r, V) with ``la, lb`` its passes; ``base`` (r, 1); the
-# probabilities ``p`` (2, r, V) with ``pa, pb`` its passes; ``ka, kb`` the two passes' dots
-Chunk = namedtuple("Chunk", "x t k at sums dots norms inv g lp la lb base p pa pb ka kb")
+# One chunk's views. Its inputs: ``scores`` (2, r, V), ``target_ids`` (2, r, 1), ``kept``
+# (1, r, 1). Its per-row results (2, r, 1): ``at_target`` (the target's score), ``sums``
+# (the rows' sums), ``kl_dots`` (the KL row dots, ``kl_dot_a`` and ``kl_dot_b`` the two
+# passes'), ``normalisers`` (the softmax's), and ``inv_scale`` (r,) the fp16 scale's
+# inverse (None elsewhere). Its output ``grad`` (2, r, V) or None. Its work buffers:
+# ``work`` (2, r, V), the log-probabilities and then the gradient, ``work_a``, ``work_b``
+# its passes; ``row_base`` (r, 1), ``P + h`` per row; ``probs`` (2, r, V), the
+# probabilities, ``probs_a``, ``probs_b`` its passes.
+Chunk = namedtuple("Chunk", "scores target_ids kept at_target sums kl_dots normalisers "
+                             "inv_scale grad work work_a work_b row_base probs probs_a probs_b "
+                             "kl_dot_a kl_dot_b")
 
 
-def rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, out=None, *,
-               pcoef, h, eps_i, c1, fp16_max=FP16_TARGET_MAX):
+def rows_torch(pairs, target, kept=None, *, from_logits, pcoef, h, eps_i, c1, need_grad=True,
+               out=None, stats=None, fp16_target_max=FP16_TARGET_MAX, chunk_rows=0):
     """Per row pair ``(x, y) = (pairs[0, i], pairs[1, i])``, with ``la, lb`` their
     log-probabilities (log_softmax of logits, or the inputs), ``pa, pb`` the
     probabilities and ``d = la - lb``:
@@ -66,18 +71,26 @@ def rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, out
     or nan from a nan input) has no gradient: with ``h > 0`` its two rows get nan, so
     that the step is seen to fail; every other row is unaffected.
 
-    Chunks of ``chunk_rows`` pairs; every op works on both passes at once where it can,
-    because on a GPU each op is a kernel launch. Rows where ``kept`` (N,) is False get a
-    gradient of 0 (their stats are left to the caller to mask). Without ``need_grad`` the
+    Chunks of ``chunk_rows`` pairs (0: :func:`~rdrop_fairseq.ops.rows.chunk_rows_for`'s
+    automatic budget); every op works on both passes at once where it can, because on a
+    GPU each op is a kernel launch. Rows where ``kept`` (N,) is False (None: every row
+    counts) get a gradient of 0 (their stats are left to the caller to mask). Without
+    ``need_grad`` the
     gradient is neither computed nor allocated (``grad`` is None). ``out`` is a ``(2, N,
     V)`` buffer the chunks may overwrite (it may be ``pairs`` itself: a chunk is read
     before it is written): the gradient goes there, or, without ``need_grad``, the
     probabilities when it has the compute dtype. A float16 gradient is scaled per row
-    pair so that its largest entry is near ``fp16_max`` (stats row 4 undoes it).
+    pair so that its largest entry is near ``fp16_target_max`` (stats row 4 undoes it).
+    ``stats``: a ``(5, N)`` buffer of the compute dtype that receives the statistics. The
+    signature is the Triton kernel's (:func:`rdrop_fairseq.ops.impl.run_rows` calls both).
     """
     dtype = compute_dtype(pairs)
     vocab = pairs.size(2)
     device = pairs.device
+    if kept is None:
+        kept = torch.ones(pairs.size(1), dtype=torch.bool, device=device)
+    if not chunk_rows:
+        chunk_rows = chunk_rows_for(vocab, pairs, 0.0, need_grad)
     grad = None
     if need_grad:
         grad = out if out is not None else torch.empty(pairs.shape, dtype=pairs.dtype,
@@ -94,10 +107,12 @@ def rows_torch(pairs, target, kept, from_logits, chunk_rows, need_grad=True, out
                              for value in (-eps_i, pcoef + h, 0.0))
     for chunk in chunks:
         chunk_statistics(chunk, from_logits)
-        if chunk.g is not None:
+        if chunk.grad is not None:
             chunk_gradient(chunk, from_logits, h=h, pcoef=pcoef, c1=c1, minus_eps=minus_eps,
-                           base=base, zero=zero, fp16_max=fp16_max if scale_fp16 else None)
-    return grad, shifted_statistics(per_row, inv_scale, from_logits, vocab)
+                           base=base, zero=zero,
+                           fp16_target_max=fp16_target_max if scale_fp16 else None)
+    result = shifted_statistics(per_row, inv_scale, from_logits, vocab)
+    return grad, result if stats is None else stats.copy_(result)
 
 
 def _chunks(pairs, target, kept, chunk_rows, grad, hosted, scale_fp16, dtype):
@@ -144,23 +159,26 @@ def _chunks(pairs, target, kept, chunk_rows, grad, hosted, scale_fp16, dtype):
 
 
 def chunk_statistics(c, from_logits):
-    """The statistics pass of one chunk: ``c.lp`` the log-probabilities but for their
-    per-row shift ``log s`` (from logits: ``x - m``, ``m`` the row's max), ``c.p`` the
+    """The statistics pass of one chunk: ``c.work`` the log-probabilities but for their
+    per-row shift ``log s`` (from logits: ``x - m``, ``m`` the row's max), ``c.probs`` the
     probabilities, the target's score, the row sums, the softmax normaliser and the KL row
-    dots ``sum pa d`` and ``sum pb d`` (``d = la - lb``, left in ``c.la``; the second dot
-    is ``-KL(pb||pa)`` but for the shift)."""
-    lp, la, lb, p, pa, pb, ka, kb = c.lp, c.la, c.lb, c.p, c.pa, c.pb, c.ka, c.kb
+    dots ``sum pa d`` and ``sum pb d`` (``d = la - lb``, left in ``c.work_a``; the second
+    dot is ``-KL(pb||pa)`` but for the shift)."""
+    # the formulas' names: log-probabilities lp = (la, lb), probabilities p = (pa, pb),
+    # the KL row dots ka, kb
+    lp, la, lb, p, pa, pb = c.work, c.work_a, c.work_b, c.probs, c.probs_a, c.probs_b
+    ka, kb = c.kl_dot_a, c.kl_dot_b
     if from_logits:
-        m = torch.amax(c.x, -1, keepdim=True)
-        torch.sub(c.x, m if m.dtype == lp.dtype else m.to(lp.dtype), out=lp)
+        m = torch.amax(c.scores, -1, keepdim=True)
+        torch.sub(c.scores, m if m.dtype == lp.dtype else m.to(lp.dtype), out=lp)
     else:
-        lp.copy_(c.x)
-    torch.gather(lp, -1, c.t, out=c.at)
+        lp.copy_(c.scores)
+    torch.gather(lp, -1, c.target_ids, out=c.at_target)
     torch.sum(lp, -1, keepdim=True, out=c.sums)
     torch.exp(lp, out=p)
     if from_logits:  # p = exp(x - m) / s
-        torch.sum(p, -1, keepdim=True, out=c.norms)
-        p.div_(c.norms)
+        torch.sum(p, -1, keepdim=True, out=c.normalisers)
+        p.div_(c.normalisers)
     d = la.sub_(lb)  # la's storage now holds d (but for log sa - log sb)
     # the row dots sum pa d and sum pb d, their products in lb's storage, then one
     # pairwise sum each. nansum: 0 log 0 = 0, so a class whose probability is 0 in
@@ -169,16 +187,17 @@ def chunk_statistics(c, from_logits):
     torch.nansum(torch.mul(d, pa, out=lb), -1, keepdim=True, out=ka)
     torch.nansum(torch.mul(d, pb, out=lb), -1, keepdim=True, out=kb)  # = -Kb but for log s
     # a nan input (a diverged model) must not vanish from the KL as a 0 * inf would
-    c.dots.masked_fill_(torch.isnan(c.sums).any(0), math.nan)
+    c.kl_dots.masked_fill_(torch.isnan(c.sums).any(0), math.nan)
 
 
-def chunk_gradient(c, from_logits, *, h, pcoef, c1, minus_eps, base, zero, fp16_max=None):
+def chunk_gradient(c, from_logits, *, h, pcoef, c1, minus_eps, base, zero,
+                   fp16_target_max=None):
     """The gradient pass of one chunk, after :func:`chunk_statistics`: the gradient in
-    ``c.lp``'s storage (``log s`` cancels in ``d - Ka`` and ``d + Kb``), scaled per row pair
-    where ``fp16_max`` is given, then written into ``c.g`` with excluded rows 0.
+    ``c.work``'s storage (``log s`` cancels in ``d - Ka`` and ``d + Kb``), scaled per row
+    pair where ``fp16_target_max`` is given, then written into ``c.grad`` with excluded rows 0.
     ``minus_eps``, ``base`` (``P + h``) and ``zero``: 0-dim operands on the device."""
-    lp, la, lb, p, d = c.lp, c.la, c.lb, c.p, c.la
-    pa, pb, ka, kb = c.pa, c.pb, c.ka, c.kb
+    lp, la, lb, p, d = c.work, c.work_a, c.work_b, c.probs, c.work_a
+    pa, pb, ka, kb = c.probs_a, c.probs_b, c.kl_dot_a, c.kl_dot_b
     if h != 0:
         # where d is not finite (a class ruled out), both passes' p are 0 in a row pair
         # whose KLs are finite: any finite d serves there (the others get nan below)
@@ -191,9 +210,9 @@ def chunk_gradient(c, from_logits, *, h, pcoef, c1, minus_eps, base, zero, fp16_
             torch.neg(d, out=lb)
         # P + h, but nan for a row pair whose KL is not finite (0 * inf = nan), so
         # that both its rows' gradients are nan
-        torch.sub(ka, kb, out=c.base)
-        torch.addcmul(base, c.base, zero, out=c.base)
-        torch.add(c.base, lp, alpha=h, out=lp)
+        torch.sub(ka, kb, out=c.row_base)
+        torch.addcmul(base, c.row_base, zero, out=c.row_base)
+        torch.add(c.row_base, lp, alpha=h, out=lp)
         torch.addcmul(minus_eps, lp, p, out=lp)
     else:
         torch.add(minus_eps, p, alpha=pcoef + h, out=lp)
@@ -201,14 +220,14 @@ def chunk_gradient(c, from_logits, *, h, pcoef, c1, minus_eps, base, zero, fp16_
         la.sub_(pb, alpha=h)
         lb.sub_(pa, alpha=h)
     if c1:
-        lp.scatter_(-1, c.t, -c1, reduce="add")
-    if fp16_max is not None:
-        scale_for_fp16(lp, c.inv, fp16_max)
+        lp.scatter_(-1, c.target_ids, -c1, reduce="add")
+    if fp16_target_max is not None:
+        scale_for_fp16(lp, c.inv_scale, fp16_target_max)
     # excluded rows: 0, whatever they held (where's out must have its compute dtype)
-    if c.g.dtype == lp.dtype:
-        torch.where(c.k, lp, zero, out=c.g)
+    if c.grad.dtype == lp.dtype:
+        torch.where(c.kept, lp, zero, out=c.grad)
     else:
-        c.g.copy_(torch.where(c.k, lp, zero, out=lp))
+        c.grad.copy_(torch.where(c.kept, lp, zero, out=lp))
 
 
 def shifted_statistics(per_row, inv_scale, from_logits, vocab):

@@ -6,7 +6,7 @@ row pair ``i`` (pass 1 row ``x``, pass 2 row ``y``) the four loss terms and the 
     total = c1 * nll + eps_i * smooth + h * (kl_pq + kl_qp)
 
 with respect to ``x`` and ``y`` (logits, or log-probabilities with ``from_logits=False``).
-Rows whose ``keep`` is 0 (padding) are not read beyond their target id: the program
+Rows whose ``kept`` is False (padding) are not read beyond their target id: the program
 writes zeros (statistics and gradient) and stops.
 
 One program handles one row pair and walks over V in ``BLOCK_V`` chunks, three times:
@@ -91,20 +91,21 @@ def _launch(kernel, grid, *args, **kwargs):
         raise TritonKernelError(f"{type(error).__name__}: {error}") from error
 
 
-def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i, c1,
-                      need_grad=True, out=None, stats=None, fp16_target_max=FP16_TARGET_MAX):
+def rdrop_rows_triton(pairs, target, kept=None, *, from_logits, pcoef, h, eps_i, c1,
+                      need_grad=True, out=None, stats=None, fp16_target_max=FP16_TARGET_MAX,
+                      chunk_rows=0):
     """Per-row R-Drop terms and gradient of both passes in one kernel launch.
 
     Args:
-        scores: ``(2, N, V)`` float16/bfloat16/float32, ``scores[0]`` pass 1, ``scores[1]``
+        pairs: ``(2, N, V)`` float16/bfloat16/float32, ``pairs[0]`` pass 1, ``pairs[1]``
             pass 2; rows must be contiguous (``stride(-1) == 1``), the other strides are
             free (a view of a ``(2N, V)`` tensor or a slice along N is read in place).
-        target: ``(N,)`` integer class ids, each in ``[0, V)`` where ``keep`` is true (not
+        target: ``(N,)`` integer class ids, each in ``[0, V)`` where ``kept`` is true (not
             checked: that would synchronise with the device; an id out of range there reads
-            out of bounds). Where ``keep`` is false the id is never used.
-        keep: optional ``(N,)`` bool, False for rows that count nowhere (padding): their
+            out of bounds). Where ``kept`` is false the id is never used.
+        kept: optional ``(N,)`` bool, False for rows that count nowhere (padding): their
             statistics and gradient are 0, whatever their scores hold (inf, nan).
-        from_logits: True if ``scores`` are logits (log_softmax is folded in), False if
+        from_logits: True if ``pairs`` are logits (log_softmax is folded in), False if
             they are log-probabilities already.
         pcoef: coefficient of ``p`` in the gradient from the task loss, ``c1 + eps_i * V``
             for label-smoothed NLL from logits (ignored with ``from_logits=False``).
@@ -112,17 +113,20 @@ def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i
         eps_i: weight of ``smooth`` (label smoothing per class).
         c1: weight of ``nll``.
         need_grad: False: no gradient is computed nor allocated (``grad`` is None).
-        out: a ``(2, N, V)`` tensor of the dtype of ``scores`` (rows contiguous) for the
-            gradient instead of a new one; it may be ``scores`` itself (each chunk is read
+        out: a ``(2, N, V)`` tensor of the dtype of ``pairs`` (rows contiguous) for the
+            gradient instead of a new one; it may be ``pairs`` itself (each chunk is read
             before its gradient is written).
         stats: a float32 ``(5, N)`` tensor for the statistics instead of a new one (rows
             contiguous, any row stride: a column slice of a larger buffer).
         fp16_target_max: float16 only: where each row pair's bound on ``|g|`` is scaled to
             (a power of two; the fused-linear path multiplies the scaled gradient by the
             weight in float16 and asks for less headroom than the default 2**14).
+        chunk_rows: the torch implementation's chunk size, taken and ignored: the kernel
+            is one launch. Both implementations share one signature, that of
+            ``rdrop_fairseq.ops.impl.run_rows``, the op's one entry point.
 
     Returns ``(grad, stats)``: ``grad`` is ``(2, N, V)`` contiguous in the dtype of
-    ``scores``, the gradient of ``total`` (unmasked; in float16 multiplied by a power of
+    ``pairs``, the gradient of ``total`` (unmasked; in float16 multiplied by a power of
     two per row pair); ``stats`` is ``(5, N)`` float32 (contiguous, or the ``stats`` given) with the rows ``nll =
     -(la[t] + lb[t])``, ``smooth = -(sum la + sum lb)``, ``kl_pq = KL(pa||pb)``, ``kl_qp =
     KL(pb||pa)``, and the factor that undoes the gradient's scale (1 but in float16). A class that both passes
@@ -134,68 +138,68 @@ def rdrop_rows_triton(scores, target, keep=None, *, from_logits, pcoef, h, eps_i
     """
     if triton is None:
         raise ImportError("rdrop_rows_triton needs triton (pip install triton)")
-    _check_inputs(scores, target)
-    _, n, vocab = scores.shape
-    if keep is None:
-        keep = torch.ones(n, dtype=torch.bool, device=scores.device)
-    if keep.shape != (n,) or keep.dtype != torch.bool or keep.device != scores.device:
-        raise ValueError(f"keep must be ({n},) bool on {scores.device}, got {keep.dtype} "
-                         f"{tuple(keep.shape)} on {keep.device}")
+    _check_inputs(pairs, target)
+    _, n, vocab = pairs.shape
+    if kept is None:
+        kept = torch.ones(n, dtype=torch.bool, device=pairs.device)
+    if kept.shape != (n,) or kept.dtype != torch.bool or kept.device != pairs.device:
+        raise ValueError(f"kept must be ({n},) bool on {pairs.device}, got {kept.dtype} "
+                         f"{tuple(kept.shape)} on {kept.device}")
     grad = None
     if need_grad:
-        grad = out if out is not None else torch.empty(scores.shape, dtype=scores.dtype,
-                                                       device=scores.device)
-        if grad.shape != scores.shape or grad.dtype != scores.dtype or grad.stride(-1) != 1:
-            raise ValueError("out must have the shape and dtype of scores, rows contiguous")
+        grad = out if out is not None else torch.empty(pairs.shape, dtype=pairs.dtype,
+                                                       device=pairs.device)
+        if grad.shape != pairs.shape or grad.dtype != pairs.dtype or grad.stride(-1) != 1:
+            raise ValueError("out must have the shape and dtype of pairs, rows contiguous")
     if stats is None:
-        stats = torch.empty((5, n), dtype=torch.float32, device=scores.device)
-    if (stats.shape != (5, n) or stats.dtype != torch.float32 or stats.device != scores.device
+        stats = torch.empty((5, n), dtype=torch.float32, device=pairs.device)
+    if (stats.shape != (5, n) or stats.dtype != torch.float32 or stats.device != pairs.device
             or (n > 1 and stats.stride(1) != 1)):
-        raise ValueError(f"stats must be (5, {n}) float32 on {scores.device}, rows contiguous")
+        raise ValueError(f"stats must be (5, {n}) float32 on {pairs.device}, rows contiguous")
     if n == 0:
         return grad, stats
-    g = grad if need_grad else scores  # never written without NEED_GRAD
+    g = grad if need_grad else pairs  # never written without NEED_GRAD
     block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
     num_warps = max(1, block_v // COLUMNS_PER_WARP)  # 1 to 16
     # Triton launches on the current device, which need not be that of the tensors
-    with torch.cuda.device(scores.device) if scores.is_cuda else contextlib.nullcontext():
+    with torch.cuda.device(pairs.device) if pairs.is_cuda else contextlib.nullcontext():
         _launch(
             _rdrop_rows_kernel, (n,),
-            scores, scores.stride(0), scores.stride(1), target, target.stride(0),
-            keep.view(torch.uint8), keep.stride(0), g, g.stride(0), g.stride(1), stats,
+            pairs, pairs.stride(0), pairs.stride(1), target, target.stride(0),
+            kept.view(torch.uint8), kept.stride(0), g, g.stride(0), g.stride(1), stats,
             stats.stride(0), vocab, float(pcoef), float(h), float(eps_i), float(c1),
             float(fp16_target_max),
-            FROM_LOGITS=bool(from_logits), ROW_SCALE=scores.dtype == torch.float16,
+            FROM_LOGITS=bool(from_logits), ROW_SCALE=pairs.dtype == torch.float16,
             NEED_GRAD=bool(need_grad), BLOCK_V=block_v, num_warps=num_warps,
             enable_fp_fusion=True,  # FMA as in CUDA code; explicit, as Triton 3.9 asks
         )
     return grad, stats
 
 
-def _check_inputs(scores, target):
-    if not torch.is_tensor(scores) or scores.dim() != 3 or scores.size(0) != 2:
-        shape = tuple(scores.shape) if torch.is_tensor(scores) else type(scores).__name__
-        raise ValueError(f"scores must be (2, N, V) with both passes stacked, got {shape}")
-    if scores.dtype not in _DTYPES:
+def _check_inputs(pairs, target):
+    if not torch.is_tensor(pairs) or pairs.dim() != 3 or pairs.size(0) != 2:
+        shape = tuple(pairs.shape) if torch.is_tensor(pairs) else type(pairs).__name__
+        raise ValueError(f"pairs must be (2, N, V) with both passes stacked, got {shape}")
+    if pairs.dtype not in _DTYPES:
         raise ValueError(
-            f"the Triton kernel takes float16, bfloat16 or float32 scores, got {scores.dtype}"
+            f"the Triton kernel takes float16, bfloat16 or float32 pairs, got {pairs.dtype}"
             " (use the torch path for float64)"
         )
-    _, n, vocab = scores.shape
+    _, n, vocab = pairs.shape
     if vocab == 0:
-        raise ValueError("scores has V = 0 classes")
-    if scores.stride(-1) != 1 and vocab > 1:
+        raise ValueError("pairs has V = 0 classes")
+    if pairs.stride(-1) != 1 and vocab > 1:
         raise ValueError(
-            f"the rows of scores must be contiguous (stride(-1) == 1), got strides "
-            f"{scores.stride()}: pass a contiguous copy"
+            f"the rows of pairs must be contiguous (stride(-1) == 1), got strides "
+            f"{pairs.stride()}: pass a contiguous copy"
         )
     if not torch.is_tensor(target) or target.dim() != 1 or target.size(0) != n:
         shape = tuple(target.shape) if torch.is_tensor(target) else type(target).__name__
         raise ValueError(f"target must be (N,) = ({n},) class ids, got {shape}")
     if target.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"target must hold int64 (or int32) class ids, got {target.dtype}")
-    if target.device != scores.device:
-        raise ValueError(f"target is on {target.device}, scores on {scores.device}")
+    if target.device != pairs.device:
+        raise ValueError(f"target is on {target.device}, pairs on {pairs.device}")
     if _KERNEL_INTERPRETED != _TRITON_INTERPRETED:
         # the kernel would fail deep inside Triton with an obscure message
         raise ValueError(
@@ -203,7 +207,7 @@ def _check_inputs(scores, target):
             f"{_TRITON_INTERPRETED}) and that of rdrop_fairseq.ops.rows_triton (interpreter: "
             f"{_KERNEL_INTERPRETED}): set it before both, they read it only then"
         )
-    if scores.is_cuda or _KERNEL_INTERPRETED:
+    if pairs.is_cuda or _KERNEL_INTERPRETED:
         return
     now = os.environ.get("TRITON_INTERPRET", "0") == "1"
     hint = (
@@ -213,7 +217,7 @@ def _check_inputs(scores, target):
     )
     raise ValueError(
         f"the R-Drop Triton kernel needs CUDA tensors, or TRITON_INTERPRET=1 to run "
-        f"Triton's interpreter on CPU; got scores on {scores.device}{hint}"
+        f"Triton's interpreter on CPU; got pairs on {pairs.device}{hint}"
     )
 
 
