@@ -219,7 +219,9 @@ def _hub_cached(hub):
 
 def _fetch_locked(file, cached, cache_only):
     """Under the file's lock: the cached copy, then (unless offline) the URLs; returns why
-    each failed, ``[]`` once the file is there."""
+    each failed, ``[]`` once the file is there. FetchError for a partial file that is a
+    symbolic link."""
+    http.refuse_links(file.partial)
     tried = []
     if cached:
         failure = _from_cache(file, cached)
