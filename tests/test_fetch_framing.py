@@ -229,9 +229,10 @@ def test_a_body_longer_than_the_pinned_size_is_cut_off_and_discarded(scripted, t
          "no_public_record": "a test"}]}})
     proc = cli("--dir", tmp_path / "dl", "src", env={"RDROP_SOURCES": str(table)})
     assert proc.returncode == 1 and "more than the 1000 bytes" in proc.stderr, proc.stderr
-    assert "resume" not in proc.stderr.splitlines()[-1]
-    assert all(p.stat().st_size <= 1000 for p in (tmp_path / "dl").iterdir())
-    assert only(tmp_path / "dl" / "x") == []  # discarded: nothing to resume from
+    line = proc.stderr.splitlines()[-1]
+    assert "e.bin.partial discarded, not resumed" in line and "resumes from" not in line
+    # discarded: nothing to resume from, and the folder the run made is gone with it
+    assert not (tmp_path / "dl").exists()
 
 
 def test_a_decoded_body_larger_than_the_free_space_is_stopped(scripted, tmp_path,

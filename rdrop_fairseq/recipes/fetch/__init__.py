@@ -48,12 +48,27 @@ How a file is fetched (requests and urllib3, the hub's files too):
 * into ``FILE.partial``, resumed with a Range request and ``If-Range`` (the partial file's
   ETag or Last-Modified; a hub file, at a commit, without): a file that changed meanwhile
   is fetched afresh, never spliced, and so is one whose server answers with a 206 that
-  does not carry the ETag or Last-Modified asked for. Without a validator, only a file
-  with a checksum to check the result resumes; another starts afresh. An answer that is
-  refused leaves the partial file as it was. A download cut after some bytes, or
+  does not carry the ETag or Last-Modified asked for. The validator is kept with the URL
+  it came from (``FILE.partial.validator``) and used for that URL only. Without one, only
+  a file with a checksum to check the result resumes; another starts afresh. An answer
+  that is refused leaves the partial file as it was. A download cut after some bytes, or
   an answer shorter than its Content-Range or Content-Length promised, resumes at once;
   Ctrl-C, a full disk or quota and a read-only file system keep the partial file for the
-  next run;
+  next run. The partial file and its validator are opened without following a symbolic
+  link (one there is an error);
+* the framing of every answer is checked against the request and the first answer: a 206
+  only where it begins at the byte asked for (0 without a Range) with the total the
+  first answer gave; a 200 only without a Content-Range that says it holds less than the
+  whole file; a 416 proves the partial whole only where its total is the size promised
+  (pinned, or first announced) or a checksum will check; any other status that is not a
+  redirect followed is refused (a redirect without Location, 300, 304), and so are a
+  Content-Length or Content-Range that is no number and a Location that is no URL;
+* an answer brings no more than its Content-Length or Content-Range announced, else the
+  pinned size, else (no length, or decoded) the free space of the disk as it begins; past
+  that, the partial file is deleted, not resumed. Unpacking is refused, before anything
+  is written, where the members' declared sizes add up to more than the free space;
+* a try that receives less than 1 KiB in any ``--timeout`` seconds (a trickle) is ended,
+  and tried again as a time-out is;
 * 403, 404 and other refusals move to the next URL at once; so does a host that cannot be
   reached (refused, no route, a name that does not exist). When no URL of a file can be
   reached, its hosts are not waited for again in the run: without network the error names
@@ -66,8 +81,10 @@ How a file is fetched (requests and urllib3, the hub's files too):
 * a pinned size is compared with the size the answer announces, before its body;
 * an ``--out`` that is there and is no regular file (a FIFO, a device such as
   ``/dev/null``) is refused before anything is written, and so is one beside which the
-  lock file cannot be made; credentials in a URL (``user:password@``) are shown as
-  ``***@`` in every message;
+  lock file cannot be made; credentials in a URL (``user:password@``, whatever they
+  hold: the URL is parsed) are shown as ``***@`` in every message, and a URL with a
+  control character (a line break) is refused; every error is one line (exit status 1,
+  2 for bad input);
 * a FILE already there and verified is not fetched again; two runs fetching one file, or
   making one DEST, take turns (a lock file ``.NAME.lock`` beside it).
 

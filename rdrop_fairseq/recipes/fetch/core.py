@@ -109,8 +109,8 @@ def _from_url(file, url, retries):
             if isinstance(e, http.Unreachable):  # not waited for again in this run
                 _unreachable.setdefault(e.host, f"{url}: {e}")
             slow += isinstance(e, http.Slow)
-            if isinstance(e, http.Slow) and slow < file.tries or isinstance(
-                    e, http.Cut) and size_of(file.partial) > before:
+            if (isinstance(e, http.Slow) and slow < file.tries) or (
+                    isinstance(e, http.Cut) and size_of(file.partial) > before):
                 continue
             return e
         # without a public record, a hub file is checked against the hub's own SHA-256
@@ -219,7 +219,9 @@ def _hub_cached(hub):
 
 def _fetch_locked(file, cached, cache_only):
     """Under the file's lock: the cached copy, then (unless offline) the URLs; returns why
-    each failed, ``[]`` once the file is there."""
+    each failed, ``[]`` once the file is there. FetchError for a partial file that is a
+    symbolic link."""
+    http.refuse_links(file.partial)
     tried = []
     if cached:
         failure = _from_cache(file, cached)

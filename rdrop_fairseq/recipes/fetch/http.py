@@ -190,7 +190,7 @@ def restart(partial):
     _validator(partial).unlink(missing_ok=True)
 
 
-def _refuse_links(partial):
+def refuse_links(partial):
     """FetchError where ``partial`` or its validator file is a symbolic link: nothing is
     written through one (and both are opened with O_NOFOLLOW besides)."""
     for path in (partial, _validator(partial)):
@@ -413,7 +413,7 @@ def download(url, partial, name, retries, timeouts, check=None, pinned=False, si
     a symbolic link. ``check``: what will check the file, "digest", "size" or None (then a
     body whose end cannot be told from a cut is refused); ``pinned``: it cannot change;
     ``size``: its pinned size, compared with the answer's before the body is read."""
-    _refuse_links(partial)
+    refuse_links(partial)
     have, sent, promised = _resume_point(partial, url, name, check, pinned, size)
     while True:
         headers = {"Range": f"bytes={have}-", "If-Range": sent} if have else {}
