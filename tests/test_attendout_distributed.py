@@ -281,13 +281,22 @@ def make_data(root, regression):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("attendout_ddp")
-    data = make_data(tmp_path_factory.mktemp("classification"), regression=False)
-    sts = make_data(tmp_path_factory.mktemp("regression"), regression=True)
-    testkit = root / "attendout_ddp_testkit"
+def classification(tmp_path_factory):
+    return make_data(tmp_path_factory.mktemp("classification"), regression=False)
+
+
+@pytest.fixture(scope="module")
+def testkit(tmp_path_factory):
+    testkit = tmp_path_factory.mktemp("plugin") / "attendout_ddp_testkit"
     testkit.mkdir()
     (testkit / "__init__.py").write_text(TESTKIT)
+    return testkit
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, classification, testkit):
+    root, data = tmp_path_factory.mktemp("attendout_ddp"), classification
+    sts = make_data(tmp_path_factory.mktemp("regression"), regression=True)
     b, half, torch_ddp = str(BATCH), str(BATCH // 2), ("pytorch_ddp", "--find-unused-parameters")
     rdrop = ("--criterion", "sentence_prediction_rdrop", "--rdrop-alpha", "1.0")
     return Runs(
@@ -422,21 +431,19 @@ def test_the_export_of_two_processes_run_is_exact(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_two_process_run_resumed_between_pruning_steps(runs, tmp_path):
+def test_a_two_process_run_resumed_between_pruning_steps(runs, testkit, tmp_path):
     """Stopped after update 3 (a batch per process since the pruning step after update 2,
     which the checkpoint does not keep: it says so) and resumed to 8: the processes go on
     together, the next pruning step rewarded on the 2 batches of update 4. (No budget: its
     deadline would move with --max-update.)"""
-    testkit, data = runs.ranks.save_dir.parent / "attendout_ddp_testkit", runs.data
+    data = runs.data
     torch_ddp = ("pytorch_ddp", "--find-unused-parameters", "--batch-size", str(BATCH),
                  "--attendout-target-layers", "0")
     first = train_ranks(testkit, data, tmp_path / "first", *torch_ddp, "--max-update", "3")
     assert first.ok, tail(first.procs[0])
-    # (each process loads the checkpoint: fairseq's broadcast of it from process 0 goes
-    # through torch.load, whose weights-only default under torch >= 2.6 refuses its config)
+    # (process 0 reads the checkpoint and sends it to process 1, as fairseq does by default)
     resumed = train_ranks(testkit, data, tmp_path / "resumed", *torch_ddp, "--restore-file",
-                          str(first.save_dir / "checkpoint_last.pt"),
-                          "--load-checkpoint-on-all-dp-ranks")
+                          str(first.save_dir / "checkpoint_last.pt"))
     assert resumed.ok, tail(resumed.procs[0]) + tail(resumed.procs[1])
     assert ("the checkpoint was written by 2 processes, each with 1 batch(es) since the last "
             "pruning step") in resumed.procs[0].stdout
@@ -450,10 +457,68 @@ def test_a_two_process_run_resumed_between_pruning_steps(runs, tmp_path):
                   "--update-freq", "2")
     assert alone.ok, tail(alone.procs[0])
     resumed = train_ranks(testkit, data, tmp_path / "resumed_alone", *torch_ddp,
-                          "--restore-file", str(alone.save_dir / "checkpoint_last.pt"),
-                          "--load-checkpoint-on-all-dp-ranks")
+                          "--restore-file", str(alone.save_dir / "checkpoint_last.pt"))
     assert resumed.ok, tail(resumed.procs[0]) + tail(resumed.procs[1])
     assert "2 batches since the last pruning step restored" in resumed.procs[0].stdout
     assert "pruning step 2 (update 4): generator rewarded on 4 cached batches" in (
         resumed.procs[0].stdout)
     assert resumed.steps(0) == resumed.steps(1)
+
+
+def glue_cmd(testkit, data, save_dir, roberta, *extra):
+    """R-Drop's GLUE fine-tuning without AttendOut: fairseq's ``sentence_prediction`` task,
+    a ``roberta`` restored from ``roberta`` (a checkpoint without a classification head),
+    ``sentence_prediction_rdrop`` reporting MCC and F1 (lists of predictions); dropout off."""
+    return [tool("fairseq-train"), str(data), "--user-dir", str(testkit), "--task",
+            "sentence_prediction", "--arch", "roberta", *TINY, "--num-classes", "2",
+            "--criterion", "sentence_prediction_rdrop", "--rdrop-alpha", "1.0",
+            "--report-mcc", "--report-acc-and-f1", "--init-token", "0", "--separator-token",
+            "2", "--optimizer", "sgd", "--lr", "0.5", "--max-update", str(MAX_UPDATE),
+            "--dropout", "0", "--attention-dropout", "0", "--activation-dropout", "0",
+            "--pooler-dropout", "0", "--required-batch-size-multiple", "1", "--seed", "3",
+            "--restore-file", str(roberta), "--reset-optimizer", "--reset-dataloader",
+            "--reset-meters", "--num-workers", "0", "--save-dir", str(save_dir),
+            "--no-epoch-checkpoints", "--log-interval", "1", "--no-progress-bar",
+            "--log-format", "simple", "--batch-size", str(BATCH), *extra]
+
+
+@pytest.mark.slow
+def test_glue_rdrop_from_a_plain_roberta_on_two_processes(classification, testkit, tmp_path):
+    """R-Drop's GLUE modes on 2 processes: restored from a plain RoBERTa (a masked LM, no
+    classification head) with --restore-file and without --load-checkpoint-on-all-dp-ranks
+    (process 0 reads it and sends it to process 1, which the plugin lets unpickle it under
+    torch >= 2.6), and reporting MCC and F1, whose lists of predictions the plugin makes
+    fairseq's sentence_prediction task gather from the processes (its fast sum fails on
+    them). Every logged figure, training and validation (the MCC and F1 of all 16
+    validation examples, 8 on each process), equals one process's with --update-freq 2."""
+    data = classification
+    pre = tmp_path / "roberta"
+    proc = run_command([tool("fairseq-train"), str(data / "input0"), "--task", "masked_lm",
+                        "--arch", "roberta", *TINY, "--criterion", "masked_lm",
+                        "--tokens-per-sample", "32", "--batch-size", "8", "--optimizer",
+                        "sgd", "--lr", "0.1", "--max-update", "2", "--disable-validation",
+                        "--save-dir", str(pre), "--no-epoch-checkpoints", "--num-workers",
+                        "0", "--no-progress-bar"], tmp_path, environment(), TIMEOUT_S)
+    assert proc.returncode == 0, tail(proc)
+    roberta = pre / "checkpoint_last.pt"
+    two = tmp_path / "two"
+    two.mkdir()
+    two = Run(launch_ranks(lambda rank, init: glue_cmd(
+        testkit, data, two, roberta, *rank_args(rank, init, 2, "legacy_ddp")), two,
+        environment()), two)
+    assert two.ok, tail(two.procs[0]) + tail(two.procs[1])
+    one = tmp_path / "one"
+    one.mkdir()
+    one = Run([run_command(glue_cmd(testkit, data, one, roberta, "--update-freq", "2"), one,
+                           environment(), TIMEOUT_S)], one)
+    assert one.ok, tail(one.procs[0])
+    assert f"Loaded checkpoint {roberta}" in two.procs[0].stdout
+    for stats in ("train_inner", "valid"):
+        got, want = two.stats(stats), one.stats(stats)
+        assert len(got) == len(want) and want, stats
+        for line, expected in zip(got, want):
+            assert line.keys() == expected.keys()
+            for key, value in expected.items():
+                assert line[key] == (value if isinstance(value, str) else pytest.approx(
+                    value, rel=1e-6, abs=TOL)), (stats, key)
+    assert {"mcc", "f1", "acc_and_f1"} <= two.stats("valid")[-1].keys()
