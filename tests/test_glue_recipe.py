@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import rdrop_fairseq
 from rdrop_fairseq.recipes import evaluate_glue, prepare_glue
 from tests.recipe_helpers import composed_config, dry_run, overrides_of, run, script
 
@@ -144,9 +145,11 @@ def glue(tmp_path_factory):
                "--bpe-dir", bpe]).stdout
     # roberta.large stand-in: a masked-LM RoBERTa trained one update on RTE's text with the
     # same dict.txt, saved by fairseq-train; the folder holds model.pt + dict.txt as the
-    # roberta.large archive does
+    # roberta.large archive does. With the plugin loaded: under NumPy 2, fairseq's masked-LM
+    # data path (TokenBlockDataset, break mode eos) runs with its repair (numpy_compat)
     pretrain = root / "pretrain"
     run([BIN / "fairseq-train", root / "bin" / "RTE-bin" / "input0", "--task", "masked_lm",
+         "--user-dir", Path(rdrop_fairseq.__file__).parent,
          "--criterion", "masked_lm", "--arch", "roberta_base",
          *[f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()],
          "--max-positions", "512", "--tokens-per-sample", "512", "--sample-break-mode", "eos",
