@@ -81,7 +81,8 @@ def compare(trainer, model, inputs, expected_fn, seed=7):
     loss.backward()
     got = gradients(model)
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-7)
+    # (float32 gradients against float64's: a multiple-choice head's bias sums 24 rows)
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-4, atol=1e-6)
     return outputs
 
 
@@ -178,18 +179,18 @@ def test_question_answering_trains_with_the_trainers_label_names(tmp_path):
     with torch.no_grad():
         keep = inputs["start_positions"].ne(9)  # the example with both positions outside
         own = float(model(**{k: v[keep] for k, v in inputs.items()}).loss)
-    logs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = RDropTrainer(model=model, train_dataset=data, rdrop_alpha=0.0,
                                args=training_args(tmp_path, per_device_train_batch_size=2,
                                                   gradient_accumulation_steps=2,
                                                   logging_steps=1, learning_rate=0.0))
-        original = trainer.log
-        trainer.log = lambda log, *a, **k: logs.append(log) or original(log, *a, **k)
         trainer.train()
     assert trainer.label_names == ["start_positions", "end_positions"]
-    (step,) = [log for log in logs if "rdrop_ce" in log]
+    logs = trainer.state.log_history
+    steps = [log for log in logs if "rdrop_ce" in log]
+    assert len(steps) == 1, logs
+    step = steps[0]
     assert step["rdrop_ce"] == pytest.approx(own, abs=1e-4)
     assert step["loss"] == pytest.approx(2 * own, abs=1e-4)
 

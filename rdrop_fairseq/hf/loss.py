@@ -74,7 +74,8 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
         out = rdrop_hf_loss(model, batch, kind=kind, alpha=1.0)
         out.loss.backward()
 
-    ``inputs``: the batch as the model takes it, with ``labels`` (-100: no loss). ``kind``:
+    ``inputs``: the batch as the model takes it, with ``labels`` (-100: no loss), or a
+    question-answering head's ``start_positions`` and ``end_positions``. ``kind``:
     :func:`~rdrop_fairseq.hf.kind.model_kind`'s answer. ``label_smoothing``: Hugging Face's
     factor (``f / V`` on every class). ``num_items_in_batch``: what the sum is divided by,
     the labelled items of one pass (:func:`labelled_items`) summed over the accumulated
