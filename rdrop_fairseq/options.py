@@ -25,10 +25,11 @@ IMPLS = ("auto", "torch", "triton")
 
 def non_negative(value, option=None, advice=""):
     """``value`` as a float; a ValueError ``"{option} must be a finite number >= 0, got
-    {value}{advice}"`` where it is not a number, is negative, NaN or infinite. Without
+    {value}{advice}"`` where it is not a number (a bool is not), is negative, NaN or
+    infinite. Without
     ``option`` the message starts at "must" (argparse names the flag itself)."""
-    try:
-        number = float(value)
+    try:  # a bool is no number here (True would be taken as 1.0)
+        number = math.nan if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
         number = math.nan
     if not number >= 0 or math.isinf(number):

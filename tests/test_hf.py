@@ -330,8 +330,8 @@ def test_a_bad_alpha_is_refused_before_anything_is_made(tmp_path, alpha):
 
 
 def test_uncovered_models_and_bad_options_are_refused_before_anything_is_made(tmp_path):
-    """A model without a head, a multi-label head, a bad implementation: refused when the
-    trainer is made, naming what is covered (the causal and encoder-decoder LMs that are:
+    """A model without a head, a next-sentence-prediction head, a bad implementation: refused
+    when the trainer is made, naming what is covered (the causal and encoder-decoder LMs that are:
     tests/test_hf_lm.py)."""
     with pytest.raises(ValueError, match="BertModel is a bare model, without a head, which "
                                          "R-Drop's loss here does not cover. Covered: sequence "
@@ -340,10 +340,11 @@ def test_uncovered_models_and_bad_options_are_refused_before_anything_is_made(tm
     with pytest.raises(ValueError, match="RDropTrainer: the model's output has no 'logits' "
                                          "\\(it has: last_hidden_state, pooler_output\\)"):
         trainer_for(tiny_bert(NoLogits), tmp_path)
-    multi = tiny_bert(BertForSequenceClassification, num_labels=3,
-                      problem_type="multi_label_classification")
-    with pytest.raises(ValueError, match="multi-label classification"):
-        trainer_for(multi, tmp_path)
+    from transformers import BertForNextSentencePrediction
+
+    with pytest.raises(ValueError, match="BertForNextSentencePrediction is a "
+                                         "next-sentence-prediction head"):
+        trainer_for(tiny_bert(BertForNextSentencePrediction), tmp_path)
     model = tiny_bert(BertForSequenceClassification, num_labels=2)
     with pytest.raises(ValueError, match="rdrop_impl must be one of auto, torch, triton"):
         RDropTrainer(model=model, args=training_args(tmp_path), rdrop_impl="cuda")
@@ -384,7 +385,7 @@ BAD_BATCHES = {
     "float labels for classes": (
         lambda: tiny_bert(BertForSequenceClassification, num_labels=3),
         lambda ids: labelled(ids, torch.tensor([0.0, 1.0, 2.0, 1.0])),
-        "multi-label classification and multi-output regression are not supported"),
+        "multi-label classification needs float multi-hot labels of shape \\(4, 3\\)"),
     "no labels": (lambda: tiny_bert(BertForSequenceClassification, num_labels=2),
                   lambda ids: [{"input_ids": i} for i in ids],
                   "a training batch without 'labels' \\(its keys: input_ids\\): R-Drop's "

@@ -302,3 +302,184 @@ def test_the_options_are_kept_checked_and_alpha_may_change_between_steps(tmp_pat
     assert trainer.rdrop.alpha == 0.0 and both == pytest.approx(2 * own, rel=1e-6)  # no dropout
     with pytest.raises(ValueError, match="rdrop_alpha must be a finite number >= 0, got -1"):
         trainer.rdrop_alpha = -1
+
+
+# ------------------------------------------- what the checks of a model must not be fooled by
+
+def tiny_ctc():
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    torch.manual_seed(0)
+    return Wav2Vec2ForCTC(Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, conv_dim=(8, 8), conv_stride=(4, 2), conv_kernel=(4, 2),
+        num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, hidden_dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
+        final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0))
+
+
+def test_a_ctc_head_is_refused_even_with_a_stated_kind(tmp_path):
+    """CTC's loss aligns the labels with the frames (8 frames for 64 samples here; 8 equal
+    labels need 15: its loss is infinite): no reading of one class per position is it,
+    whatever kind is stated."""
+    model = tiny_ctc()
+    audio = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert float(model(input_values=audio, labels=torch.full((2, 8), 3)).loss) == \
+            float("inf")
+    with pytest.raises(ValueError, match="Wav2Vec2ForCTC is a CTC head .* not one class per "
+                                         "frame"):
+        RDropTrainer(model=model, args=arguments(tmp_path), rdrop_model_kind="encoder")
+
+
+class Infinite(transformers.GPT2LMHeadModel):
+    """GPT-2 whose own loss is infinite while ``infinite`` is set."""
+    infinite = True
+
+    def forward(self, *args, **kwargs):
+        outputs = super().forward(*args, **kwargs)
+        if outputs.loss is not None and self.infinite:
+            outputs.loss = outputs.loss + float("inf")
+        return outputs
+
+
+@pytest.mark.parametrize("stated", ["causal", "encoder"])
+def test_an_infinite_own_loss_is_never_taken_for_the_stated_kind(tmp_path, stated):
+    """The tolerance of a reading grows with the model's own loss: an infinite one passed
+    every reading. It is said (one warning) and the kind is checked on the next batch,
+    where a finite loss agrees with the right kind and contradicts the wrong one."""
+    model = Infinite(causal().config)
+    batch = {"input_ids": torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(1))}
+    batch["labels"] = batch["input_ids"].clone()
+    trainer = RDropTrainer(model=model, args=arguments(tmp_path), rdrop_alpha=0.0,
+                           rdrop_model_kind=stated)
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.compute_loss(model, dict(batch))
+        first = [str(w.message) for w in caught]
+        model.infinite = False
+        trainer.compute_loss(model, dict(batch))
+        said = [str(w.message) for w in caught]
+    assert len(first) == 1 and "own loss on this training batch is inf" in first[0], first
+    assert "checked on the next" in first[0]
+    assert len(said) == (1 if stated == "causal" else 2), said
+    assert stated == "causal" or f"rdrop_model_kind {stated!r} contradicts" in said[1]
+
+
+def test_the_probe_takes_no_infinite_own_loss_for_a_match():
+    """A model whose own loss is infinite on every probe batch matches no reading of its
+    logits (the tolerance grows with the loss: an infinite one passed any reading)."""
+    from transformers import MarianMTModel
+
+    class InfiniteLoss(MarianMTModel):
+        def forward(self, *args, **kwargs):
+            outputs = super().forward(*args, **kwargs)
+            if outputs.loss is not None:
+                outputs.loss = outputs.loss + float("inf")
+            return outputs
+
+    from tests.tiny_hf_models import seq2seq
+
+    with pytest.raises(ValueError, match=r"InfiniteLoss's own loss on probe batches is "
+                                         r"inf.*pass rdrop_model_kind"):
+        hf.model_kind(InfiniteLoss(seq2seq().config))
+
+
+def test_a_first_batch_without_labels_defers_the_check_of_the_stated_kind(tmp_path):
+    """Every label -100: the model's own loss and both readings are NaN, which tells
+    nothing; the kind is checked on the next batch with labelled tokens."""
+    batch = {"input_ids": torch.randint(3, 99, (2, 6), generator=torch.Generator().manual_seed(1))}
+    empty = {**batch, "labels": torch.full((2, 6), -100)}
+    labelled = {**batch, "labels": batch["input_ids"].clone()}
+    for stated, warned in (("causal", []), ("encoder", ["contradicts"])):
+        model = causal()
+        trainer = RDropTrainer(model=model, args=arguments(tmp_path), rdrop_alpha=0.0,
+                               rdrop_model_kind=stated)
+        model.train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.compute_loss(model, dict(empty))
+            assert [str(w.message) for w in caught] == []
+            trainer.compute_loss(model, dict(labelled))
+        said = [str(w.message) for w in caught]
+        assert [w for w in warned if not any(w in s for s in said)] == [] and \
+            len(said) == len(warned), said
+
+
+def test_dropout_that_no_forward_applies_is_not_counted(tmp_path):
+    """GPT-2's configuration holds summary_first_dropout (0.1), which only its
+    double-heads model's summary uses: a GPT-2 LM with every dropout it applies at 0 is
+    warned of; one dropout it applies (resid_pdrop), or a Llama's attention dropout
+    (given to the attention function, no dropout module), is counted."""
+    def warned(model):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            RDropTrainer(model=model, args=arguments(tmp_path))
+        return [str(w.message) for w in caught if "KL is always 0" in str(w.message)]
+
+    model = causal()
+    assert model.config.summary_first_dropout == 0.1
+    assert len(warned(model)) == 1
+    model.config.resid_pdrop = 0.1
+    model.transformer.h[0].mlp.dropout.p = 0.1
+    assert warned(model) == []
+    llama = tiny_llama()
+    assert warned(llama) != []
+    llama.config.attention_dropout = 0.1
+    for layer in llama.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    assert warned(llama) == []
+
+
+def tiny_whisper():
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    return WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=99, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=8, max_target_positions=16,
+        pad_token_id=0, decoder_start_token_id=1, eos_token_id=2, bos_token_id=2,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+
+
+def test_whisper_with_its_kind_stated_takes_the_fused_path(tmp_path):
+    """The fused head's check runs the model on its own inputs (Whisper's input_features),
+    not on token ids: a stated seq2seq Whisper trains on the fused path at twice its own
+    loss (alpha 0, dropout off)."""
+    model = tiny_whisper()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = RDropTrainer(model=model, args=arguments(tmp_path), rdrop_alpha=0.0,
+                               rdrop_model_kind="seq2seq", rdrop_fused_linear=True)
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_features": torch.randn(2, 8, 16, generator=g),
+             "labels": torch.randint(3, 99, (2, 5), generator=g)}
+    model.train()
+    ours = float(trainer.compute_loss(model, dict(batch)))
+    with torch.no_grad():
+        own = float(model(**batch).loss)
+    assert ours == pytest.approx(2 * own, rel=1e-6)
+
+
+def test_neftune_noise_is_no_false_warning_of_identical_passes(tmp_path):
+    """NEFTune's noise on the input embeddings differs between the halves of [x; x]: a
+    model without dropout trains with a KL above 0, and no warning says it is always 0."""
+    model = tiny_llama()  # no dropout, none in its configuration either
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = RDropTrainer(model=model, train_dataset=examples("causal"),
+                               args=arguments(tmp_path, neftune_noise_alpha=5.0))
+        trainer.train()
+    assert not [w for w in caught if "KL is always 0" in str(w.message)]
+    kls = [log["rdrop_kl"] for log in trainer.state.log_history if "rdrop_kl" in log]
+    assert len(kls) == 2 and min(kls) > 0
+
+
+def test_a_bool_is_no_alpha(tmp_path):
+    with pytest.raises(ValueError, match="rdrop_alpha must be a finite number >= 0, got True"):
+        RDropTrainer(model=causal(), args=arguments(tmp_path), rdrop_alpha=True)
+    trainer = RDropTrainer(model=causal(), args=arguments(tmp_path))
+    with pytest.raises(ValueError, match="rdrop_alpha must be a finite number >= 0, got False"):
+        trainer.rdrop_alpha = False

@@ -524,11 +524,12 @@ def test_a_head_the_fused_path_cannot_reproduce_is_refused_when_the_trainer_is_m
 
 
 def test_uncovered_models_and_versions_are_refused_before_anything_is_made(tmp_path, monkeypatch):
-    from transformers import BertForQuestionAnswering
+    from transformers import BertForNextSentencePrediction
 
-    qa = BertForQuestionAnswering(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
-                                             num_attention_heads=2, intermediate_size=32))
-    with pytest.raises(ValueError, match="question-answering head.*Covered: sequence "
+    qa = BertForNextSentencePrediction(BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32))
+    with pytest.raises(ValueError, match="next-sentence-prediction head.*Covered: sequence "
                                          "classification"):
         make(qa, tmp_path)
     with pytest.raises(ValueError, match="a bare model, without a head"):

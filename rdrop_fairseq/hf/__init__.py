@@ -17,6 +17,10 @@ different mask for each half), as the fairseq criteria do. The loss of a labelle
   KL(P2||P1))``, the cross-entropy label-smoothed with ``label_smoothing_factor`` as
   Hugging Face smooths it (``eps / V`` on every class);
 * regression (one output): ``(y1 - y)^2 + (y2 - y)^2 + alpha * (y1 - y2)^2``;
+* multi-label classification, per label entry: both passes' binary cross-entropy plus
+  ``alpha`` times the symmetric KL of their Bernoulli distributions, halved;
+* question answering: the start and the end position each a classification over the
+  sequence, the two averaged; multiple choice: a classification over the choices;
 
 summed over the items and divided by the number of labelled items of one pass in the whole
 accumulated batch (examples for sequence heads, tokens not labelled -100 otherwise; for a
@@ -38,7 +42,8 @@ installs on a language-model head. This module gives their public names.
 
 from ..core import RDropBatchError
 from .kind import model_kind
-from .loss import RDropHFLoss, doubled_batch, labelled_items, plain_hf_loss, rdrop_hf_loss
+from .loss import (RDropHFLoss, batch_labels, doubled_batch, labelled_items, plain_hf_loss,
+                   rdrop_hf_loss)
 from .trainers import (TRANSFORMERS_RANGE, RDropMixin, RDropOptions, RDropSeq2SeqTrainer,
                        RDropTrainer, check_transformers_version, declare_loss_scaling,
                        warmup_arguments)
@@ -46,4 +51,4 @@ from .trainers import (TRANSFORMERS_RANGE, RDropMixin, RDropOptions, RDropSeq2Se
 __all__ = ["RDropMixin", "RDropTrainer", "RDropSeq2SeqTrainer", "rdrop_hf_loss", "model_kind",
            "labelled_items", "declare_loss_scaling", "warmup_arguments", "TRANSFORMERS_RANGE",
            "RDropHFLoss", "RDropOptions", "RDropBatchError", "doubled_batch",
-           "check_transformers_version", "plain_hf_loss"]
+           "check_transformers_version", "batch_labels", "plain_hf_loss"]

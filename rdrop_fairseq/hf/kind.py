@@ -4,10 +4,12 @@ and its own loss is compared with the cross-entropy of its logits read each way.
 fused path, also whether its head is what that path computes (:func:`check_fused_head`)."""
 
 import contextlib
+import math
 from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 
 from .fused_head import FusedHead
@@ -15,7 +17,7 @@ from .model import (IGNORE_INDEX, KINDS, decoder_inputs, head_module, is_task, l
                     logits_of, router_loss, takes, unwrap)
 
 __all__ = ["model_kind", "read_kind", "check_fused_head", "kinds_read_from_loss",
-           "random_state_kept"]
+           "random_state_kept", "dropout_in_forward"]
 
 # Model configurations whose head does more than a linear layer after the hidden states,
 # which the fused path does not reproduce: attribute, and what it does
@@ -51,28 +53,48 @@ def read_kind(model, kind="auto"):
     what is covered)."""
     inner = unwrap(model)
     name = type(inner).__name__
-    config = getattr(inner, "config", None)
-    if getattr(config, "problem_type", None) == "multi_label_classification":
-        raise ValueError(f"{name} is set up for multi-label classification (problem_type), "
-                         "which R-Drop's loss here does not cover")
     for task, what in _UNCOVERED.items():
         if is_task(inner, task):
             raise ValueError(f"{name} is {what}, which R-Drop's loss here does not cover. "
                              f"{_COVERED}")
-    if kind == "auto":
-        kind = _probed_kind(model)
-    elif kind not in KINDS:
+    if kind not in ("auto", *KINDS):
         raise ValueError(f"the model kind must be 'auto' or one of {', '.join(KINDS)}, "
                          f"got {kind!r}")
-    return kind
+    by_head = next((what for task, what in _ENCODER_HEADS.items() if is_task(inner, task)),
+                   None)
+    if by_head is not None:  # its logits and labels, as they are, are R-Drop's
+        if kind not in ("auto", "encoder"):
+            raise ValueError(f"{name} is {by_head}, whose logits line up with its labels as "
+                             f"they are: rdrop_model_kind 'encoder' (or 'auto'), not {kind!r}")
+        return "encoder"
+    return _probed_kind(model) if kind == "auto" else kind
 
 
-_COVERED = ("Covered: sequence classification and regression, token classification, masked "
-            "LM, causal LM (vision-language models included), encoder-decoder LM")
-_UNCOVERED = {"QUESTION_ANSWERING": "a question-answering head (start and end positions)",
-              "MULTIPLE_CHOICE": "a multiple-choice head",
-              "NEXT_SENTENCE_PREDICTION": "a next-sentence-prediction head",
-              "": "a bare model, without a head"}
+_COVERED = ("Covered: sequence classification (single- and multi-label) and regression, token "
+            "classification, question answering (start and end positions), multiple choice, "
+            "masked LM, causal LM (vision-language models included), encoder-decoder LM")
+# Heads refused whatever kind is stated, each with why R-Drop's loss is not theirs
+_UNCOVERED = {
+    "NEXT_SENTENCE_PREDICTION": "a next-sentence-prediction head (a pre-training "
+                                "objective)",
+    "CTC": "a CTC head (its loss aligns the labels with the frames, summing over the "
+           "alignments: not one class per frame)",
+    "OBJECT_DETECTION": "an object-detection head (its loss matches predicted boxes with "
+                        "the labelled ones)",
+    "ZERO_SHOT_OBJECT_DETECTION": "an object-detection head (its loss matches predicted "
+                                  "boxes with the labelled ones)",
+    "SEMANTIC_SEGMENTATION": "a segmentation head (its logits are at a lower resolution "
+                             "than the label map, which its loss upsamples them to)",
+    "UNIVERSAL_SEGMENTATION": "a segmentation head (its loss matches predicted masks with "
+                              "the labelled ones)",
+    "INSTANCE_SEGMENTATION": "a segmentation head (its loss matches predicted masks with "
+                             "the labelled ones)",
+    "TABLE_QUESTION_ANSWERING": "a table question-answering head (its loss adds cell "
+                                "selection and aggregation terms)",
+    "": "a bare model, without a head"}
+# Heads whose kind needs no probe (their logits against their labels as they are)
+_ENCODER_HEADS = {"QUESTION_ANSWERING": "a question-answering head",
+                  "MULTIPLE_CHOICE": "a multiple-choice head"}
 _PROBE = (1, 12)  # examples (one: a decoder classifier needs a pad token for more), tokens
 
 
@@ -105,6 +127,7 @@ def _compare_losses(model, ids, kinds, classes):
     encoder-decoder model's logits are those of the decoder inputs R-Drop makes."""
     inner = unwrap(model)
     name = type(inner).__name__
+    infinite = []
     for seed in range(3):
         g = torch.Generator().manual_seed(seed + 1)
         if kinds == ("seq2seq",):  # target tokens: no special ones
@@ -118,6 +141,9 @@ def _compare_losses(model, ids, kinds, classes):
             raise ValueError(f"{name} returned no loss for labels, so how its logits line up "
                              "with its labels cannot be read from it: pass rdrop_model_kind "
                              f"({', '.join(KINDS)})")
+        if not math.isfinite(own):  # no reading is it, however its tolerance grows
+            infinite.append(own)
+            continue
         if kinds == ("seq2seq",):
             logits = logits_of(_probe_call(model, name, input_ids=ids,
                                             decoder_input_ids=decoder_inputs(inner, labels)))
@@ -138,6 +164,10 @@ def _compare_losses(model, ids, kinds, classes):
             f"{name}'s own loss on a probe batch ({own:.6g}) is not the cross-entropy of its "
             f"logits read as any kind R-Drop covers ({readings}): it adds or computes "
             "something else, which R-Drop's loss would not reproduce")
+    if infinite:
+        raise ValueError(f"{name}'s own loss on probe batches is {infinite[0]}, which no "
+                         "reading of its logits is, so how they line up with its labels "
+                         f"cannot be read from it: pass rdrop_model_kind ({', '.join(KINDS)})")
     raise ValueError(f"{name}'s logits on probe batches do not tell whether its loss shifts "
                      f"the labels: pass rdrop_model_kind ({', '.join(KINDS)})")
 
@@ -176,9 +206,12 @@ def _tolerance(model, own):
 def kinds_read_from_loss(model, inputs):
     """How ``model``'s own loss on ``inputs`` (a training batch with its labels, dropout as
     it is; no gradient, the random state kept) lines its logits up with the labels: the
-    kinds that reading agrees with, or None where it tells nothing (the model computes no
+    kinds that reading agrees with; None where it tells nothing (the model computes no
     loss of its own, the labels are not class indices per example or per token, or the
-    shifted and unshifted readings are equal)."""
+    shifted and unshifted readings are equal); or, where this batch cannot tell but
+    another may, its own loss as a float that is not finite (no reading is an infinite
+    loss, however the tolerance grows with it; a batch without a labelled token gives
+    NaN)."""
     labels = inputs.get("labels")
     extra = {"use_cache": False} if takes(model, "use_cache") else {}
     with torch.no_grad(), random_state_kept(model):
@@ -186,6 +219,8 @@ def kinds_read_from_loss(model, inputs):
     own, logits = _own_loss(model, outputs)
     if own is None or not torch.is_tensor(labels) or labels.is_floating_point():
         return None
+    if not math.isfinite(own):
+        return own
     if logits.dim() == 2:  # one output per example: a sequence head, nothing shifted
         return ("encoder",) if labels.dim() == 1 else None
     if logits.shape[:2] != labels.shape:
@@ -196,6 +231,61 @@ def kinds_read_from_loss(model, inputs):
     aligned = ("seq2seq" if getattr(unwrap(model).config, "is_encoder_decoder", False)
                else "encoder")
     return tuple(k for k in ("causal", aligned) if abs(candidates[k] - own) <= tolerance)
+
+
+def dropout_in_forward(model):
+    """Whether a training forward of ``model`` applies any dropout: a probe batch of token
+    ids goes through it in training mode (no gradient, the random state kept) while every
+    dropout call is watched (torch's dropout functions with ``p > 0``, and the attention
+    dropout given to ``scaled_dot_product_attention``), so that a probability in the
+    configuration that no forward uses (GPT-2's ``summary_first_dropout``) does not count.
+    None where no probe batch goes through it (no token embedding, or it refuses one)."""
+    inner = unwrap(model)
+    try:
+        ids = _probe_tokens(inner, inner.get_input_embeddings().num_embeddings, seed=0)
+    except Exception:  # no token embedding (images, audio)
+        return None
+    inputs = {"input_ids": ids}
+    if getattr(inner.config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+    if takes(inner, "use_cache"):
+        inputs["use_cache"] = False
+    modes = {module: module.training for module in inner.modules()}
+    inner.train()
+    watch = _DropoutWatch()
+    try:
+        with torch.no_grad(), random_state_kept(inner), watch:
+            inner(**inputs)
+    except Exception:  # a model that needs more than token ids (a multiple-choice head)
+        return None
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    return watch.seen
+
+
+_DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                      F.feature_alpha_dropout, torch.dropout}
+
+
+class _DropoutWatch(TorchFunctionMode):
+    """Whether a dropout with a probability above 0 was applied in training mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _DROPOUT_FUNCTIONS:
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            training = kwargs.get("training", kwargs.get("train",
+                                                         args[2] if len(args) > 2 else True))
+            self.seen = self.seen or (bool(training) and float(p) > 0)
+        elif func is F.scaled_dot_product_attention:
+            p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            self.seen = self.seen or float(p) > 0
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -282,7 +372,7 @@ def _check_head_is_linear(model, head, kind):
     states the head receives times its weight, plus its bias."""
     device = head.weight.device
     ids = torch.arange(1, 6, device=device).remainder(head.weight.size(0)).view(1, 5)
-    inputs = {"input_ids": ids}
+    inputs = _head_probe_inputs(unwrap(model), ids)
     if kind == "seq2seq":
         inputs["decoder_input_ids"] = ids
     seen = []
@@ -312,6 +402,34 @@ def _check_head_is_linear(model, head, kind):
             f"embedding applied to the hidden states it receives (relative difference "
             f"{difference:.2g}): the head does something the fused path does not reproduce "
             "(a scale or a cap after the projection, say); leave rdrop_fused_linear False")
+
+
+def _head_probe_inputs(inner, ids):
+    """A batch of one of the model's main input (its ``main_input_name``): the token ids
+    ``ids``, Whisper's log-mel features (``num_mel_bins`` x twice ``max_source_positions``)
+    or an image (``num_channels`` x ``image_size``, an encoder's configuration's for an
+    encoder-decoder model); a ValueError saying what is missing where none can be made."""
+    main = getattr(inner, "main_input_name", "input_ids")
+    config = inner.config
+    shape = None
+    if main == "input_ids":
+        return {"input_ids": ids}
+    if main == "input_features" and all(hasattr(config, key) for key in
+                                        ("num_mel_bins", "max_source_positions")):
+        shape = (1, config.num_mel_bins, 2 * config.max_source_positions)
+    elif main == "pixel_values":
+        vision = getattr(config, "encoder", None) or getattr(config, "vision_config", config)
+        size = getattr(vision, "image_size", None)
+        if isinstance(size, int):
+            shape = (1, getattr(vision, "num_channels", 3), size, size)
+    if shape is None:
+        raise ValueError(f"rdrop_fused_linear: {type(inner).__name__} takes {main}, of which "
+                         "no probe batch is made here to check that its head is a linear "
+                         "layer (input_ids, Whisper's input_features or images of a stated "
+                         "image_size are); leave it False")
+    weight = next(inner.parameters())
+    noise = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    return {main: noise.to(device=weight.device, dtype=weight.dtype)}
 
 
 def _configs(config):

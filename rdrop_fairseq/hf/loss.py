@@ -24,7 +24,10 @@ from .model import (IGNORE_INDEX, decoder_inputs, head_module, logits_bias, logi
                     router_loss, takes, unwrap)
 
 __all__ = ["RDropHFLoss", "rdrop_hf_loss", "plain_hf_loss", "labelled_items", "doubled_batch",
-           "decoder_inputs"]
+           "decoder_inputs", "batch_labels", "SPAN_LABELS"]
+
+# A question-answering head's labels: the positions where the answer starts and ends
+SPAN_LABELS = ("start_positions", "end_positions")
 
 # Batch entries that hold images or videos in the order they appear in the batch (Qwen-VL's
 # flattened patches with their grids, LLaVA's images, Idefics' per-example stacks): [x; x]
@@ -50,11 +53,13 @@ _Computed = namedtuple("_Computed", "outputs total nll kl correct entropy")
 
 
 def labelled_items(labels, causal=False):
-    """Labelled items of one pass in ``labels``, as a tensor (no host-device sync):
-    examples of a regression batch (float labels), else labels other than -100 (for a
-    causal LM, from the second position on: the model predicts token t+1 at t)."""
+    """Labelled items of one pass in ``labels`` (:func:`batch_labels`), as a tensor (no
+    host-device sync): for float labels every entry (a regression's examples, a
+    multi-label head's labels of each example), else labels other than -100 (for a
+    causal LM, from the second position on: the model predicts token t+1 at t; for a
+    question-answering head, the start and end positions inside the sequence)."""
     if labels.is_floating_point():
-        return torch.full((), labels.size(0), device=labels.device)  # a fill: no copy
+        return torch.full((), labels.numel(), device=labels.device)  # a fill: no copy
     if causal:
         labels = labels[..., 1:]
     return labels.ne(IGNORE_INDEX).sum()
@@ -71,7 +76,8 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
         out = rdrop_hf_loss(model, batch, kind=kind, alpha=1.0)
         out.loss.backward()
 
-    ``inputs``: the batch as the model takes it, with ``labels`` (-100: no loss). ``kind``:
+    ``inputs``: the batch as the model takes it, with ``labels`` (-100: no loss), or a
+    question-answering head's ``start_positions`` and ``end_positions``. ``kind``:
     :func:`~rdrop_fairseq.hf.kind.model_kind`'s answer. ``label_smoothing``: Hugging Face's
     factor (``f / V`` on every class). ``num_items_in_batch``: what the sum is divided by,
     the labelled items of one pass (:func:`labelled_items`) summed over the accumulated
@@ -165,9 +171,30 @@ def plain_hf_loss(model, inputs, *, kind, label_smoothing=0.0, num_items_in_batc
     return RDropHFLoss(loss, outputs, mean.detach() * items, zero, items, None, None)
 
 
-def _checked_labels(inputs):
-    """The batch's labels; a batch R-Drop cannot train on is refused, saying what to do."""
+def batch_labels(inputs):
+    """A batch's labels as R-Drop's loss reads them: its ``labels``; for a question-answering
+    batch (:data:`SPAN_LABELS`), the start and end positions as ``(B, 2)`` class indices
+    over the sequence, as the model's own loss reads them: clamped to ``[0, L]``, ``L``
+    (outside the sequence) ignored (-100). None where it has neither."""
     labels = inputs.get("labels")
+    if torch.is_tensor(labels) or not any(key in inputs for key in SPAN_LABELS):
+        return labels if torch.is_tensor(labels) else None
+    start, end = (inputs.get(key) for key in SPAN_LABELS)
+    lengths = [inputs[key].size(1) for key in ("input_ids", "inputs_embeds", "attention_mask")
+               if torch.is_tensor(inputs.get(key)) and inputs[key].dim() >= 2]
+    if not (torch.is_tensor(start) and torch.is_tensor(end) and lengths):
+        raise RDropBatchError(
+            f"a question-answering batch (its keys: {', '.join(sorted(inputs))}) needs both "
+            "start_positions and end_positions, and input_ids, inputs_embeds or "
+            "attention_mask for the length of its sequences")
+    positions = torch.stack([start.reshape(-1), end.reshape(-1)], dim=1).clamp(0, lengths[0])
+    return positions.masked_fill(positions.eq(lengths[0]), IGNORE_INDEX)
+
+
+def _checked_labels(inputs):
+    """The batch's labels (:func:`batch_labels`); a batch R-Drop cannot train on is refused,
+    saying what to do."""
+    labels = batch_labels(inputs)
     if not torch.is_tensor(labels):
         raise RDropBatchError(
             f"a training batch without 'labels' (its keys: {', '.join(sorted(inputs))}): "
@@ -185,7 +212,8 @@ def _model_inputs(model, inputs, labels, kind):
     """What the model is given: the batch without its labels (the loss is R-Drop's), no
     key/value cache of the doubled batch, and an encoder-decoder model's decoder inputs
     made from the labels where the batch has none (what the model does with labels)."""
-    features = {key: value for key, value in inputs.items() if key != "labels"}
+    features = {key: value for key, value in inputs.items()
+                if key != "labels" and key not in SPAN_LABELS}
     if takes(model, "use_cache"):
         features.setdefault("use_cache", False)
     if kind == "seq2seq" and features.get("decoder_input_ids") is None:
@@ -199,14 +227,17 @@ def _through_logits(model, doubled, target, *, alpha, smoothing, impl, accuracy,
     one-output head the squared errors and their consistency term."""
     outputs = model(**doubled)
     logits = logits_of(outputs)
-    regression = _check_head(logits, target, model)
-    if check_labels and not regression:
+    head = _check_head(logits, target, model)
+    if check_labels and head == "classes":
         _check_class_indices(target, logits.size(-1))
-    if regression:
+    if head == "regression":
         predictions = logits.view(-1).float()
         y = target.reshape(-1).float()
         nll = F.mse_loss(predictions, torch.cat([y, y]), reduction="sum")
         kl = mse_consistency(predictions)
+        return _Computed(outputs, nll + alpha * kl, nll.detach(), kl.detach(), None, None)
+    if head == "multi-label":
+        nll, kl = _multi_label_terms(logits, target)
         return _Computed(outputs, nll + alpha * kl, nll.detach(), kl.detach(), None, None)
     vocab = logits.size(-1)
     _assert_class_indices_async(target, vocab)
@@ -230,6 +261,18 @@ def _through_fused_head(model, doubled, target, *, alpha, smoothing, impl, accur
         impl=impl, check_labels=check_labels, predictions=predictions)
     correct = _correct(predictions, target) if accuracy else None
     return _Computed(outputs, result.total, result.nll, result.kl, correct, None)
+
+
+def _multi_label_terms(logits, labels):
+    """A multi-label head's terms, summed over the label entries: the binary cross-entropy
+    of both passes, and 1/2 (KL(p1||p2) + KL(p2||p1)) between the passes' Bernoulli
+    distributions, which is 1/2 (p1 - p2)(z1 - z2) for the logits z and p = sigmoid(z)."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    y = labels.to(z.dtype)
+    nll = F.binary_cross_entropy_with_logits(z, torch.cat([y, y]), reduction="sum")
+    z1, z2 = z.chunk(2)
+    kl = 0.5 * ((torch.sigmoid(z1) - torch.sigmoid(z2)) * (z1 - z2)).sum()
+    return nll, kl
 
 
 def _entropy_sum(pairs, target, rows=1024):
@@ -336,8 +379,10 @@ def _fairseq_epsilon(smoothing, vocab):
 
 
 def _check_head(logits, labels, model):
-    """Whether the head is a regression; a ValueError saying what to change where the labels
-    do not fit the logits (shapes and dtypes only: nothing read back from the device)."""
+    """What the head is: ``"regression"`` (one output), ``"multi-label"`` (float labels, or
+    ``problem_type`` multi_label_classification, as the model's own loss decides) or
+    ``"classes"``; a ValueError saying what to change where the labels do not fit the
+    logits (shapes and dtypes only: nothing read back from the device)."""
     problem = getattr(getattr(unwrap(model), "config", None), "problem_type", None)
     batch = labels.size(0)
     if logits.size(0) != 2 * batch:
@@ -352,18 +397,27 @@ def _check_head(logits, labels, model):
         if labels.numel() != batch:
             raise ValueError(f"R-Drop: regression labels must be one number per "
                              f"example, got shape {tuple(labels.shape)}")
-        return True
+        return "regression"
+    if logits.dim() == 2 and (problem == "multi_label_classification" or (
+            problem is None and labels.is_floating_point())):
+        if not labels.is_floating_point() or labels.shape != (batch, logits.size(-1)):
+            raise ValueError(
+                f"R-Drop: multi-label classification needs float multi-hot labels of shape "
+                f"({batch}, {logits.size(-1)}), one 0/1 per label; got {labels.dtype} labels "
+                f"of shape {tuple(labels.shape)}")
+        return "multi-label"
     if problem == "regression" or labels.is_floating_point():
         raise ValueError(
             f"R-Drop: {labels.dtype} labels with a head of {logits.size(-1)} outputs: "
-            "multi-label classification and multi-output regression are not supported; "
-            "give class indices (torch.long), or a one-output head for regression")
+            "multi-output regression and soft labels are not supported; give class "
+            "indices (torch.long), float multi-hot labels for multi-label classification, "
+            "or a one-output head for regression")
     one_pass = (batch, *logits.shape[1:-1])  # a label per example, or per token
     if labels.numel() != math.prod(one_pass):
         raise ValueError(f"R-Drop: labels of shape {tuple(labels.shape)} do not fit "
                          f"logits of shape {tuple(logits.shape)} (both passes): expected "
                          f"{one_pass}, one pass's")
-    return False
+    return "classes"
 
 
 def _bad_class_indices(labels, classes):

@@ -54,9 +54,14 @@ def _names(task):
 
 def logits_of(outputs):
     """The logits of a model's output: its ``logits``, or the first element of a tuple
-    (``return_dict=False``)."""
+    (``return_dict=False``); a question-answering head's ``start_logits`` and
+    ``end_logits`` stacked, ``(B, 2, L)`` (the start and end positions as two
+    classifications over the sequence)."""
     if isinstance(outputs, Mapping):
         logits = outputs.get("logits")
+        spans = outputs.get("start_logits"), outputs.get("end_logits")
+        if logits is None and all(torch.is_tensor(span) for span in spans):
+            return torch.stack(spans, dim=1)  # (B, 2, L): a distribution over each position
     elif isinstance(outputs, (tuple, list)) and outputs:
         logits = outputs[0]
     else:
@@ -65,7 +70,8 @@ def logits_of(outputs):
         keys = ", ".join(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
         raise ValueError(
             f"the model's output has no 'logits' (it has: {keys}); R-Drop needs the logits "
-            "of a classification, token-classification or language-model head")
+            "of a classification, token-classification, question-answering or "
+            "language-model head")
     return logits
 
 

@@ -17,9 +17,9 @@ from transformers import Seq2SeqTrainer, Trainer
 from ..core import RDropBatchError
 from ..ops.impl import check_impl
 from ..options import check_every, has_dropout, non_negative, runs_rdrop
-from .kind import kinds_read_from_loss, model_kind
-from .loss import labelled_items, rdrop_hf_loss
-from .model import KINDS, unwrap
+from .kind import dropout_in_forward, kinds_read_from_loss, model_kind
+from .loss import SPAN_LABELS, batch_labels, labelled_items, rdrop_hf_loss
+from .model import IGNORE_INDEX, KINDS, unwrap
 
 __all__ = ["RDropMixin", "RDropTrainer", "RDropSeq2SeqTrainer", "RDropOptions",
            "TRANSFORMERS_RANGE", "check_transformers_version", "declare_loss_scaling",
@@ -29,6 +29,10 @@ __all__ = ["RDropMixin", "RDropTrainer", "RDropSeq2SeqTrainer", "RDropOptions",
 # 4.48.0 accumulates a wrong gradient, and before 4.49 DeepSpeed divides a loss already
 # normalised over the accumulated batch by the accumulation steps again
 TRANSFORMERS_RANGE = ("4.49.0", "6")
+
+# The training batches on which a stated rdrop_model_kind is checked against the model's
+# own loss while they cannot tell (a loss that is not finite, no labelled token)
+KIND_CHECKS = 8
 
 
 def check_transformers_version(version=None):
@@ -106,7 +110,7 @@ class LogSums:
         device = result.nll.device
         mask = inputs.get("attention_mask")
         tokens = (mask.sum() if torch.is_tensor(mask)
-                  else torch.full((), inputs["labels"].numel(), device=device))
+                  else torch.full((), batch_labels(inputs).numel(), device=device))
         zero = result.nll.new_zeros(())
         correct = zero if result.correct is None else result.correct
         entropy = zero if result.entropy is None else result.entropy
@@ -175,7 +179,7 @@ class RDropMixin:
         self._rdrop_smoothing = float(getattr(training_args, "label_smoothing_factor", 0.0) or 0)
         _check_training_arguments(type(self).__name__, training_args)
         if model is not None:
-            self._rdrop_kind = self._rdrop_check_model(model)
+            self._rdrop_kind = self._rdrop_check_model(model, training_args)
         if kwargs.get("compute_loss_func") is not None:
             raise ValueError(f"{type(self).__name__} computes the training loss itself: leave "
                              "out compute_loss_func (or use the plain Trainer)")
@@ -184,10 +188,13 @@ class RDropMixin:
         _check_training_arguments(type(self).__name__, self.args)
         _note_liger(type(self).__name__, self.args, self.rdrop.fused_linear)
         declare_loss_scaling(self, True)
-        if self.label_names not in (["labels"], []):
+        if self.label_names not in (["labels"], [], list(SPAN_LABELS)):
             raise ValueError(f"{type(self).__name__} reads the labels from inputs['labels'], and "
                              f"this model or TrainingArguments.label_names names {self.label_names}")
         self._first_batch_checked = False
+        # a stated kind is checked on the first batch that can tell (KIND_CHECKS at most)
+        self._rdrop_kind_checks = KIND_CHECKS if self.rdrop.model_kind != "auto" else 0
+        self._rdrop_kind_unread_said = False
         self._rdrop_log = LogSums()
         self._rdrop_updates = UpdateCount()
         # TRL's trainers log their training metrics from _metrics: token accuracy, the tokens
@@ -211,17 +218,20 @@ class RDropMixin:
     def call_model_init(self, trial=None):
         """A model built by ``model_init`` gets the checks a ``model`` gets."""
         model = super().call_model_init(trial)
-        self._rdrop_kind = self._rdrop_check_model(model)
+        self._rdrop_kind = self._rdrop_check_model(model, self.args)
         return model
 
-    def _rdrop_check_model(self, model):
+    def _rdrop_check_model(self, model, args):
         try:
             kind = model_kind(model, self.rdrop.model_kind, fused_linear=self.rdrop.fused_linear)
         except ValueError as error:
             raise ValueError(f"{type(self).__name__}: {error}") from None
         config = getattr(unwrap(model), "config", None)
         values = config.to_dict() if hasattr(config, "to_dict") else {}
-        if self.rdrop.alpha and not has_dropout(model, config=values):
+        applied = dropout_in_forward(model)  # None: no probe batch; then the settings say
+        # NEFTune's noise on the input embeddings differs between the halves too
+        if self.rdrop.alpha and not getattr(args, "neftune_noise_alpha", None) and not (
+                has_dropout(model, config=values) if applied is None else applied):
             warnings.warn(
                 f"{type(self).__name__}: rdrop_alpha {self.rdrop.alpha} but every dropout of "
                 f"{type(unwrap(model)).__name__} is 0: the two passes are identical and the "
@@ -231,12 +241,26 @@ class RDropMixin:
 
     def _rdrop_check_stated_kind(self, model, inputs):
         """A kind given by hand (``rdrop_model_kind``) against what the model's own loss
-        does with the first training batch: one warning where they contradict."""
+        does with the first training batch that can tell: one warning where they contradict.
+        A batch whose own loss is not finite cannot (no reading matches it): the next is
+        read, and an infinite loss where tokens are labelled is said once."""
         read = kinds_read_from_loss(model, inputs)
+        if isinstance(read, float):  # this batch cannot tell
+            self._rdrop_kind_checks -= 1
+            labels = inputs.get("labels")
+            if not self._rdrop_kind_unread_said and bool(labels.ne(IGNORE_INDEX).any()):
+                self._rdrop_kind_unread_said = True
+                warnings.warn(
+                    f"{type(self).__name__}: {type(unwrap(model)).__name__}'s own loss on "
+                    f"this training batch is {read}, which no reading of its logits is: "
+                    f"rdrop_model_kind {self._rdrop_kind!r} is checked on the next training "
+                    f"batches instead (up to {KIND_CHECKS})", UserWarning, stacklevel=3)
+            return
+        self._rdrop_kind_checks = 0
         if read is None or self._rdrop_kind in read:
             return
         stated = (f"{type(self).__name__}: rdrop_model_kind {self._rdrop_kind!r} contradicts "
-                  f"{type(unwrap(model)).__name__}'s own loss on the first training batch")
+                  f"{type(unwrap(model)).__name__}'s own loss on a training batch")
         if read:
             says = (f"which lines its logits up with the labels as kind "
                     f"{' or '.join(map(repr, read))}: R-Drop would train on misaligned "
@@ -274,7 +298,7 @@ class RDropMixin:
         # same in every micro-batch of one update and on every process, restored on resume
         update = self.state.global_step
         two_passes = runs_rdrop(update, self.rdrop.every)
-        if two_passes and not self._first_batch_checked and self.rdrop.model_kind != "auto":
+        if two_passes and self._rdrop_kind_checks > 0:
             self._rdrop_check_stated_kind(model, inputs)
         result = rdrop_hf_loss(
             model, inputs, kind=self._rdrop_kind, alpha=self.rdrop.alpha,
@@ -321,8 +345,8 @@ class RDropMixin:
             except StopIteration:
                 break
         causal = getattr(self, "_rdrop_kind", None) == "causal"
-        counts = [labelled_items(b["labels"], causal) for b in batches
-                  if torch.is_tensor(b.get("labels"))]
+        labels = [batch_labels(b) for b in batches]
+        counts = [labelled_items(each, causal) for each in labels if torch.is_tensor(each)]
         if not counts:
             return batches, None
         items = torch.stack([c.to(device or self.args.device) for c in counts]).sum()
