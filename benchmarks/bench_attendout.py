@@ -231,13 +231,13 @@ def measure_pruning(args, cached, impl):
     """Peak memory of one pruning step over ``cached`` batches (see the module's doc)."""
     import torch
 
-    from rdrop_fairseq.models.attendout_layers import (
+    from rdrop_fairseq.models.attendout_generator import (
         action_log_prob,
         pack_mask,
-        reinforce_step,
         sample_drop,
         unpack_mask,
     )
+    from rdrop_fairseq.models.attendout_reinforce import reinforce_step
 
     torch.set_num_threads(args.threads)
     task, model, _, optimizer = build("attendout", args, tiny_data(args.work))

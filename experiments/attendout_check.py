@@ -270,10 +270,10 @@ def layer_costs(model, task, batches, init_drop=0.1, seed=0):
     the standard deviation over the examples of the reward an AttendOut attacker would
     get at the start (full loss - loss under per-unit masks drawn at ``init_drop``), which
     the task's rewards are scaled by. ``costs``: the first divided by the second."""
+    from rdrop_fairseq.models.attendout_generator import sample_drop
     from rdrop_fairseq.models.attendout_layers import (
         AttendOutEncoderLayer,
         AttendOutTransformerEncoder,
-        sample_drop,
     )
     from rdrop_fairseq.models.roberta_attendout import AttendOutRobertaEncoder
 

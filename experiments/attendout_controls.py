@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """AttendOut's search under fixed rewards: the generator alone, at a real encoder's width,
-driven through the same pruning update the task runs (rdrop_fairseq.models.attendout_layers
-.pruning_update), with rewards that say exactly what each layer costs.
+driven through the same pruning update the task runs (rdrop_fairseq.models.
+attendout_reinforce.pruning_update), with rewards that say exactly what each layer costs.
 
     python -m experiments.attendout_controls                       # every control, 5 seeds
     python -m experiments.attendout_controls --controls costs --width 768
@@ -44,12 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rdrop_fairseq.models.attendout_layers import (
-    SEARCH_DEFAULTS,
-    AttendOutGenerator,
-    pruning_update,
-    unit_mask,
-)
+from rdrop_fairseq.models.attendout_generator import SEARCH_DEFAULTS, AttendOutGenerator, unit_mask
+from rdrop_fairseq.models.attendout_reinforce import pruning_update
 from rdrop_fairseq.recipes.common import write_json
 
 REPO = Path(__file__).resolve().parents[1]
