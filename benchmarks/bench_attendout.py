@@ -44,6 +44,8 @@ import threading
 import time
 from pathlib import Path
 
+from rdrop_fairseq.recipes.common import parser_from_doc
+
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("baseline", "rdrop", "attendout", "attendout_rdrop", "attendout_step",
            "attendout_budget")
@@ -372,7 +374,7 @@ def markdown(steps, inference, args, pruning=()):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("what", nargs="?", default="all",
                    choices=["all", "step", "inference", "pruning", "gpu", "_step",
                             "_pruning"])

@@ -1,5 +1,6 @@
 """What the recipe modules share: where the plugin and the repository are, fairseq's
-command-line tools, one-line errors, and no half-made output on failure."""
+command-line tools, a command line made from a docstring (:func:`parser_from_doc`, also for
+benchmarks/ and experiments/), one-line errors, and no half-made output on failure."""
 
 import argparse
 import contextlib
@@ -71,6 +72,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (--help: the options)\n")
+
+
+def parser_from_doc(doc, **kwargs):
+    """The command line of a script whose docstring ``doc`` is its help: the first paragraph
+    the description, the rest the epilog, line breaks kept; errors on one line
+    (:class:`ArgumentParser`). ``kwargs`` go to the parser (``prog``...)."""
+    summary, _, details = doc.partition("\n\n")
+    return ArgumentParser(description=summary, epilog=details or None,
+                          formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
 
 def run_stage(a, parser, prepare, train, evaluate, data_error):
