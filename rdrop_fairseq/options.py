@@ -6,9 +6,9 @@ trainers, :func:`rdrop_fairseq.hf.rdrop_hf_loss` and the plain-PyTorch functions
   :func:`rdrop_fairseq.ops.impl.check_impl`'s question: the implementations live there);
 * :func:`has_dropout`: whether the model's two passes can differ at all.
 
-Each caller passes the option's name as its user typed it (``--rdrop-impl``, ``rdrop_impl``,
-``impl``), so that an error names what to change. Nothing here imports fairseq or
-transformers.
+Each caller passes the option's name as its user typed it (``--rdrop-alpha``,
+``rdrop_alpha``, ``alpha``), so that an error names what to change. Nothing here imports
+fairseq, transformers, or anything of the package: it is the floor the others stand on.
 """
 
 import math
