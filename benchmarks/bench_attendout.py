@@ -44,6 +44,8 @@ import threading
 import time
 from pathlib import Path
 
+from rdrop_fairseq.recipes.common import parser_from_doc
+
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("baseline", "rdrop", "attendout", "attendout_rdrop", "attendout_step",
            "attendout_budget")
@@ -231,13 +233,13 @@ def measure_pruning(args, cached, impl):
     """Peak memory of one pruning step over ``cached`` batches (see the module's doc)."""
     import torch
 
-    from rdrop_fairseq.models.attendout_layers import (
+    from rdrop_fairseq.models.attendout_generator import (
         action_log_prob,
         pack_mask,
-        reinforce_step,
         sample_drop,
         unpack_mask,
     )
+    from rdrop_fairseq.models.attendout_reinforce import reinforce_step
 
     torch.set_num_threads(args.threads)
     task, model, _, optimizer = build("attendout", args, tiny_data(args.work))
@@ -372,7 +374,7 @@ def markdown(steps, inference, args, pruning=()):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("what", nargs="?", default="all",
                    choices=["all", "step", "inference", "pruning", "gpu", "_step",
                             "_pruning"])

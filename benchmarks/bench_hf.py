@@ -38,7 +38,6 @@ With ``--bf16`` every method runs under bf16 autocast (float32 weights), as
 head's own would.
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -47,6 +46,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("floor", "rdrop", "rdrop-fused")
@@ -249,7 +250,7 @@ def markdown(rows, args):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("what", nargs="?", default="run", choices=["run", "_child"])
     p.add_argument("method", nargs="?", choices=METHODS)
     p.add_argument("head", nargs="?", choices=HEADS)

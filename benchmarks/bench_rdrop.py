@@ -54,6 +54,8 @@ import subprocess
 import sys
 import time
 
+from rdrop_fairseq.recipes.common import parser_from_doc
+
 PAD = 1
 ALPHA = 5.0
 EPS = 0.1
@@ -454,7 +456,7 @@ def main():
         print(json.dumps(run_loss(**kw) if kind == "loss" else run_step(**kw)))
         return
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("what", nargs="?", choices=["loss", "step", "all", "gpu"], default="all",
                    help="gpu: on CUDA, in one process per table: the loss in bf16 and fp16 at "
                    "V = 32k and 267,744, 8192 tokens per pass, logits from D = 1024 features "

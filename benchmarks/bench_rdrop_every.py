@@ -21,13 +21,14 @@ k costs ``r1`` baseline updates, the others one). Usage::
     python benchmarks/bench_rdrop_every.py --device cuda --dtype float16 --vocab 32000
 """
 
-import argparse
 import math
 import statistics
 import sys
 import time
 
 from bench_rdrop import build_step  # this folder: run as python benchmarks/THIS.py
+
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 # the demo's model (rdrop_fairseq/recipes/libreoffice_demo.py): 2 + 2 layers of 192
 DEMO_ARCH = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "192",
@@ -106,7 +107,7 @@ def table(per_update, a):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 5],
                    help="R-Drop every K updates, one arm each (default 1 2 5)")
     p.add_argument("--rounds", type=int, default=5)

@@ -45,6 +45,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rdrop_fairseq.recipes.common import parser_from_doc
+
 REPO = Path(__file__).resolve().parents[1]
 TABLE = REPO / "benchmarks" / "results" / "recipe_memory.tsv"
 COLUMNS = ["recipe", "max_tokens", "precision", "batch", "peak_gib", "reserved_gib",
@@ -438,7 +440,7 @@ def main(argv=None):
         record(results, a.table)
         print(f"{len(results)} rows into {a.table}")
         return 0
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES))
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="1-layer 16-wide models, 256 words")

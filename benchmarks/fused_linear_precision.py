@@ -10,13 +10,13 @@ autograd of the formula in tests/test_core.py). Errors: norm-relative / largest 
     python benchmarks/fused_linear_precision.py        # CPU: torch's bf16/fp16 products
 """
 
-import argparse
 
 import torch
 import torch.nn.functional as F
 
 from rdrop_fairseq.core import rdrop_loss
 from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 PAD, ALPHA, EPS, SCALE = 1, 5.0, 0.1, 128.0
 
@@ -51,7 +51,7 @@ def errors(mine, exact):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("--device", default="cpu")
     p.add_argument("--cases", default="2048x4096x64,4096x32000x128", help="NxVxD,...")
     a = p.parse_args()

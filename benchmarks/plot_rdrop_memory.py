@@ -6,13 +6,14 @@
 One line per method, for the cases with --tokens target tokens per pass (loss mode).
 """
 
-import argparse
 import json
 import re
 
+from rdrop_fairseq.recipes.common import parser_from_doc
+
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("json", nargs="+")
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--out", required=True)

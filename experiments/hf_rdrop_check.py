@@ -46,7 +46,6 @@ mean ± sd over seeds, the paired per-seed differences, s / update and its ratio
 fairseq path's finished runs read from FAIRSEQ_WORK/TASK (attendout_check's WORK).
 """
 
-import argparse
 import json
 import os
 import shutil
@@ -65,6 +64,7 @@ from experiments.common import DecayAll
 from rdrop_fairseq.hf import RDropTrainer
 from rdrop_fairseq.recipes.common import write_json  # atomic: whole or not at all
 from rdrop_fairseq.recipes.convert_hf_bert import load_tokenizer
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 REPO = Path(__file__).resolve().parents[1]
 MINILM = Path(sys.prefix) / "share" / "rdrop-fairseq" / "all-MiniLM-L6-v2"  # scripts/setup.sh
@@ -330,9 +330,7 @@ def finished(work, modes, seeds):
 
 def make_parser():
     fairseq = attendout_check.make_parser().parse_args([])  # its settings are ours
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--task", choices=TASKS, required=True)
     parser.add_argument("--work", type=Path, default=REPO / "work" / "hf-rdrop-check",
                         help="a task's runs go to WORK/TASK (default %(default)s)")

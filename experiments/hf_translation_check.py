@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from rdrop_fairseq.recipes.common import parser_from_doc
+
 from .common import DecayAll, mode_rows, step_timer, train_in_process
 
 MODES = ("baseline", "rdrop")
@@ -267,9 +269,7 @@ def table(results):
 
 
 def parse_args(argv):
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser_from_doc(__doc__)
     p.add_argument("--work", default=os.environ.get("WORK"),
                    help="working directory: WORK/data, WORK/runs, WORK/results.json")
     p.add_argument("--data", help="the demo's prepared data (libreoffice_demo's OUT/data, "

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rdrop_fairseq.recipes import libreoffice_demo as demo
-from rdrop_fairseq.recipes.common import ArgumentParser, write_json
+from rdrop_fairseq.recipes.common import parser_from_doc, write_json
 
 BASELINE = "baseline"
 EPOCHS = 30
@@ -247,7 +247,7 @@ def plot(done, path):
 
 
 def build_parser():
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--ks", type=int, nargs="*", default=[1, 2, 5],
                    help="the k of each R-Drop arm (default 1 2 5; none: the baseline alone); "

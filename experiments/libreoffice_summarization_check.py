@@ -32,7 +32,6 @@ Reruns reuse what WORK already holds (the prepared data, finished trainings, sco
 delete a run's directory to redo it.
 """
 
-import argparse
 import json
 import os
 import re
@@ -42,6 +41,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 from .common import recipe_script
 from .prepare_libreoffice_summaries import add_source_options
@@ -215,9 +216,7 @@ def table(results):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = parser_from_doc(__doc__)
     add_source_options(p)
     p.add_argument("--work", type=Path, required=True, help="where everything is written")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])

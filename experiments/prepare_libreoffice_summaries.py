@@ -33,7 +33,6 @@ and OUT/stats.json. Then run rdrop_fairseq.recipes.prepare_cnndm --raw OUT/raw -
 OUT/gpt2_bpe/encoder.json --vocab-bpe OUT/gpt2_bpe/vocab.bpe --dict OUT/dict.txt.
 """
 
-import argparse
 import json
 import re
 import sys
@@ -43,6 +42,7 @@ from pathlib import Path
 
 from rdrop_fairseq.recipes.prepare_libreoffice_corpus import (extract_debs, package_versions,
                                         page_segments, split_of)
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 # every paragraph / heading id, including the newer "par_2016..." form the translation
 # corpus leaves out (a few pages have their title or description under one)
@@ -180,9 +180,7 @@ def add_source_options(p):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = parser_from_doc(__doc__)
     add_source_options(p)
     p.add_argument("--out", required=True)
     p.add_argument("--vocab-size", type=int, default=8000, help="BPE vocabulary (with the "

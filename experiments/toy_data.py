@@ -8,9 +8,10 @@ local reordering. Used by the quick demo and the end-to-end tests; not a benchma
     python -m experiments.toy_data OUT_DIR [--train 3000 --valid 200 --test 200 --seed 1]
 """
 
-import argparse
 import random
 from pathlib import Path
+
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 
 def translate(words):
@@ -38,7 +39,7 @@ def write_corpus(out_dir, sizes, vocab=60, min_len=3, max_len=12, seed=1, src="d
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("out_dir")
     p.add_argument("--train", type=int, default=3000)
     p.add_argument("--valid", type=int, default=200)

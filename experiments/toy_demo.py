@@ -10,7 +10,6 @@ there is nothing for a regulariser to fix: at equal updates R-Drop lags the base
 not R-Drop's gain.
 """
 
-import argparse
 import json
 import os
 import re
@@ -19,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from rdrop_fairseq.recipes.common import PLUGIN as USER_DIR, fairseq_cli
+from rdrop_fairseq.recipes.common import PLUGIN as USER_DIR, fairseq_cli, parser_from_doc
 
 from .toy_data import write_corpus
 
@@ -59,7 +58,7 @@ def run(cmd, log_path, show=None):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("--out", default="work/toy-demo")
     p.add_argument("--max-update", type=int, default=1500)
     p.add_argument("--with-baseline", action="store_true",

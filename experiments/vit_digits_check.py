@@ -25,7 +25,6 @@ OUT/summary.json and summary.md: per arm the mean and standard deviation over th
 and R-Drop - baseline per seed.
 """
 
-import argparse
 import json
 import shutil
 import sys
@@ -36,7 +35,7 @@ import torch
 
 from experiments.common import mean_std, step_timer
 from rdrop_fairseq.recipes import vit, vit_data
-from rdrop_fairseq.recipes.common import write_json
+from rdrop_fairseq.recipes.common import parser_from_doc, write_json
 
 MODES = ("baseline", "rdrop")
 SPLIT = {"train": 1077, "valid": 360, "test": 360}
@@ -150,9 +149,7 @@ def table(summary, a):
 
 
 def make_parser():
-    p = argparse.ArgumentParser(prog="python -m experiments.vit_digits_check",
-                                description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser_from_doc(__doc__, prog='python -m experiments.vit_digits_check')
     p.add_argument("--out", required=True, help="the folder for the runs and the summary")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))

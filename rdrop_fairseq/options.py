@@ -7,9 +7,9 @@ trainers, :func:`rdrop_fairseq.hf.rdrop_hf_loss` and the plain-PyTorch functions
 * :func:`has_dropout`: whether the model's two passes can differ at all;
 * :func:`check_every` and :func:`runs_rdrop`: R-Drop on one optimizer update in K.
 
-Each caller passes the option's name as its user typed it (``--rdrop-impl``, ``rdrop_impl``,
-``impl``), so that an error names what to change. Nothing here imports fairseq or
-transformers.
+Each caller passes the option's name as its user typed it (``--rdrop-alpha``,
+``rdrop_alpha``, ``alpha``), so that an error names what to change. Nothing here imports
+fairseq, transformers, or anything of the package: it is the floor the others stand on.
 """
 
 import math

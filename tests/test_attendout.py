@@ -21,19 +21,21 @@ from fairseq.modules.transformer_layer import TransformerEncoderLayer
 from omegaconf import OmegaConf
 
 import rdrop_fairseq
-from rdrop_fairseq.models.attendout_layers import (
-    AttendOutEncoderLayer,
+from rdrop_fairseq.models.attendout_generator import (
     AttendOutGenerator,
     action_log_prob,
-    masked_self_attention,
-    mean_of_values,
     pack_mask,
-    reinforce_step,
     unpack_mask,
 )
+from rdrop_fairseq.models.attendout_layers import (
+    AttendOutEncoderLayer,
+    masked_self_attention,
+    mean_of_values,
+)
+from rdrop_fairseq.models.attendout_reinforce import reinforce_step
 from rdrop_fairseq.recipes import export_attendout
+from rdrop_fairseq.tasks.attendout_plumbing import fp32_master_views
 from rdrop_fairseq.tasks.attendout_processes import Processes
-from rdrop_fairseq.tasks.sentence_prediction_attendout import fp32_master_views
 from tests.fairseq_config import training_config
 from tests.warm_process import machine_env, run_command
 
@@ -672,7 +674,7 @@ def test_leave_one_out_with_one_reward_per_batch_is_refused(data):
 
 
 def test_pruning_step_uses_the_leave_one_out_baseline_when_asked(data, monkeypatch):
-    from rdrop_fairseq.models import attendout_layers as module
+    from rdrop_fairseq.models import attendout_reinforce as module
 
     seen = []
     monkeypatch.setattr(module, "reinforce_step",
@@ -858,7 +860,7 @@ def test_flat_masters_one_layout_for_the_copy_and_the_moments():
     fp32 master: the parameters one after another. A dict of one flat master per device
     (fairseq's pipeline parallelism) is refused by both, with the same error, rather than
     one of them silently taking the first device's master."""
-    from rdrop_fairseq.tasks.sentence_prediction_attendout import copy_optimizer_state
+    from rdrop_fairseq.tasks.attendout_plumbing import copy_optimizer_state
 
     a, other, d = torch.zeros(2, 3), torch.zeros(4), torch.zeros(2, 3)  # 6 + 4 + 6 values
     flat = torch.arange(16.0)

@@ -75,7 +75,7 @@ from fairseq.models import distributed_fairseq_model
 from torch.nn.parallel import DistributedDataParallel
 
 import rdrop_fairseq  # noqa: F401  (registers AttendOut)
-from rdrop_fairseq.models import attendout_layers
+from rdrop_fairseq.models import attendout_generator, attendout_reinforce
 from rdrop_fairseq.models.roberta_attendout import RobertaAttendOutModel
 from rdrop_fairseq.tasks.attendout_processes import search_state
 from rdrop_fairseq.tasks.attendout_pruning import AttendOutPruning
@@ -99,7 +99,7 @@ def draw_and_print(self, model, tokens):
     """Each example of the batch (its tokens) and the units its masks drop, per layer."""
     drop, rate = draw_masks(self, model, tokens)
     pad = tokens.eq(self.pad)
-    counts = (drop & attendout_layers.unit_mask(pad).unsqueeze(1)).sum((-1, -2))
+    counts = (drop & attendout_generator.unit_mask(pad).unsqueeze(1)).sum((-1, -2))
     rows = sorted([t[t.ne(self.pad)].tolist(), c.tolist()] for t, c in zip(tokens, counts))
     print(f"AO-TEST-MASKS rank={rank()} rows={json.dumps(rows)}", flush=True)
     return drop, rate
@@ -163,8 +163,8 @@ def build_sharp_model(cls, args, task):
 RobertaAttendOutModel.build_model = classmethod(build_sharp_model)
 
 if os.environ.get("AO_TEST_LOCAL_REWARDS"):  # the mutation: each process its own rewards' sums
-    shape_rewards = attendout_layers.shape_rewards
-    attendout_layers.shape_rewards = (
+    shape_rewards = attendout_reinforce.shape_rewards
+    attendout_reinforce.shape_rewards = (
         lambda generator, task_rewards, dropped, decay, reduce=None:
         shape_rewards(generator, task_rewards, dropped, decay))
 '''

@@ -13,10 +13,7 @@ import torch.nn.functional as F
 from fairseq import checkpoint_utils, models, options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from rdrop_fairseq.models.attendout_layers import (
-    AttendOutGenerator,
-    sample_drop,
-)
+from rdrop_fairseq.models.attendout_generator import AttendOutGenerator, sample_drop
 from rdrop_fairseq.recipes import export_attendout
 from tests.test_attendout import (  # noqa: F401  (data is a fixture)
     BIN,

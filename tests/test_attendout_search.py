@@ -14,12 +14,8 @@ import torch
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from rdrop_fairseq.models.attendout_layers import (
-    AttendOutGenerator,
-    pruning_update,
-    shape_rewards,
-    unit_mask,
-)
+from rdrop_fairseq.models.attendout_generator import AttendOutGenerator, unit_mask
+from rdrop_fairseq.models.attendout_reinforce import pruning_update, shape_rewards
 from tests.test_attendout import (  # noqa: F401  (data is a fixture)
     HEAD,
     TINY,

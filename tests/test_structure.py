@@ -1,7 +1,9 @@
 """The package's shape, read from its syntax trees: no private name crosses a module, no
 function over 60 lines and no class over 250 (a definition's lines, its docstring not
-counted; Triton kernels and argument-parser builders aside), the Hugging Face layer a
-package that gives its public names, and the two row implementations on one fp16 scale."""
+counted; Triton kernels and argument-parser builders aside), no module over 450 lines
+outside recipes/, the Hugging Face layer a package that gives its public names, the two row
+implementations on one fp16 scale and behind one door (only ops/ names them), and no
+import running back up from options.py or ops/."""
 
 import ast
 from pathlib import Path
@@ -12,6 +14,8 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "rdrop_fairseq"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 LONGEST_FUNCTION, LONGEST_CLASS = 60, 250
+LONGEST_MODULE = 450  # lines, outside recipes/ (scripts, each with its command line)
+ROW_IMPLEMENTATIONS = {"rows_torch", "rows_triton", "rdrop_rows_triton"}
 
 
 def tree(path):
@@ -106,3 +110,66 @@ def test_the_two_row_implementations_scale_fp16_alike():
     kernel = tree(ops / "rows_triton.py")
     assert not [n for n in ast.walk(kernel) if isinstance(n, ast.ImportFrom) and
                 (n.level or (n.module or "").startswith("rdrop_fairseq"))]
+
+
+def imported_modules(path):
+    """The dotted names of the package's modules that ``path`` imports (anywhere in it,
+    function-level imports included), relative imports resolved; with the names imported
+    from each (``from .x import a`` gives ``x`` and ``x.a``: ``a`` may be a module)."""
+    package = path.relative_to(REPO).with_suffix("").parts[:-1]
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            found += [module] + [f"{module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+    return [m for m in found if m == "rdrop_fairseq" or m.startswith("rdrop_fairseq.")]
+
+
+def test_the_import_resolution_reads_relative_and_function_level_imports():
+    """The rules below rely on it: a relative import two levels up, inside a function."""
+    ops_impl = PACKAGE / "ops" / "impl.py"
+    assert "rdrop_fairseq.options.IMPLS" in imported_modules(ops_impl)
+    assert "rdrop_fairseq.ops.rows_triton.rdrop_rows_triton" in imported_modules(ops_impl)
+
+
+def test_the_row_op_has_one_door():
+    """Only ops/ names an implementation of the row op (:func:`ops.impl.run_rows` is the
+    call of either): no module elsewhere imports rows_torch / rows_triton, nor names
+    rows_torch or rdrop_rows_triton."""
+    found = []
+    for path in MODULES:
+        if path.parent == PACKAGE / "ops":
+            continue
+        for module in imported_modules(path):
+            if set(module.split(".")) & ROW_IMPLEMENTATIONS:
+                found.append((str(path.relative_to(REPO)), module))
+        for node in ast.walk(tree(path)):
+            name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+            if name in ROW_IMPLEMENTATIONS:
+                found.append((str(path.relative_to(REPO)), node.lineno, name))
+    assert found == []
+
+
+def test_no_import_runs_back_up_from_options_or_ops():
+    """options.py is the floor: it imports nothing of the package. ops/ stands on it
+    alone: its modules import only each other and options.py."""
+    options = PACKAGE / "options.py"
+    assert imported_modules(options) == []
+    upward = [(str(path.relative_to(REPO)), module)
+              for path in sorted((PACKAGE / "ops").glob("*.py"))
+              for module in imported_modules(path)
+              if not module.startswith(("rdrop_fairseq.ops", "rdrop_fairseq.options"))]
+    assert upward == []
+
+
+def test_no_module_over_450_lines_outside_recipes():
+    long = [(str(path.relative_to(REPO)), lines) for path in MODULES
+            if PACKAGE / "recipes" not in path.parents
+            and (lines := len(path.read_text(encoding="utf-8").splitlines())) > LONGEST_MODULE]
+    assert long == []

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from experiments import attendout_controls as controls
-from rdrop_fairseq.models.attendout_layers import SEARCH_DEFAULTS
+from rdrop_fairseq.models.attendout_generator import SEARCH_DEFAULTS
 
 
 @pytest.mark.slow

@@ -18,7 +18,6 @@ trains the same initial model with each loss (the curves agree), checks that the
 the same loss and gradients, and measures one training step's peak memory for each.
 """
 
-import argparse
 import json
 import math
 import sys
@@ -30,6 +29,7 @@ import torch.nn.functional as F
 from rdrop_fairseq.core import rdrop_loss
 from rdrop_fairseq.fused_linear import fused_linear_rdrop_loss
 from rdrop_fairseq.opcount import LiveBytes
+from rdrop_fairseq.recipes.common import parser_from_doc
 
 PAD = 0
 
@@ -165,7 +165,7 @@ def step_peak_bytes(model, tokens, target, *, alpha, path, chunk_mb=0.0):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)

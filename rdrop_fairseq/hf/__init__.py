@@ -33,11 +33,12 @@ model's own. Evaluation, prediction and generation run one pass, with the model'
 loss. Needs the ``hf`` extra; importing ``rdrop_fairseq`` alone does not import
 transformers.
 
-The package has three rooms: :mod:`.trainers` (the mixin and trainers, their checks),
-:mod:`.loss` (everything a training batch touches) and :mod:`.kind` (the probe that reads
-how a model's logits line up with its labels); :mod:`.model` holds what they read off a
-model (and the decoder inputs made from labels), :mod:`.fused_head` what the fused path
-installs on a language-model head. This module gives their public names.
+Where things are: :mod:`.trainers` (the mixin and the trainers, and their checks),
+:mod:`.loss` (everything a training batch touches), :mod:`.kind` (the probe that reads how
+a model's logits line up with its labels), :mod:`.model` (what they read off a model and
+its output, and the decoder inputs made from labels) and :mod:`.fused_head` (what the
+fused path installs on a language-model head). Import the public names from here:
+``from rdrop_fairseq.hf import ...``.
 """
 
 from ..core import RDropBatchError

@@ -27,11 +27,8 @@ from fairseq.models.roberta.model import (
 )
 from fairseq.modules.transformer_sentence_encoder import init_bert_params
 
-from .attendout_layers import (
-    AttendOutGenerator,
-    AttendOutTransformerEncoder,
-    check_search_options,
-)
+from .attendout_generator import AttendOutGenerator, check_search_options
+from .attendout_layers import AttendOutTransformerEncoder
 
 logger = logging.getLogger(__name__)
 

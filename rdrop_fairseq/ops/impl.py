@@ -35,7 +35,8 @@ def _spelled(option, value):
 
 def check_impl(impl, option="impl", cpu_option=None, tensor=None):
     """``impl`` if it is one of :data:`IMPLS` and can run here; else a ValueError naming
-    ``option`` and what to use instead. ``triton`` needs the triton package, and a CUDA GPU
+    ``option`` as its user typed it (``--rdrop-impl``, ``rdrop_impl``, ``impl``) and what
+    to use instead. ``triton`` needs the triton package, and a CUDA GPU
     (CUDA tensors, where ``tensor`` says what a call runs on) unless ``TRITON_INTERPRET=1``
     runs Triton's interpreter on the CPU (the tests'). ``cpu_option``: the caller's option
     that put this run on the CPU (``--cpu``, ``use_cpu``), where it is set."""

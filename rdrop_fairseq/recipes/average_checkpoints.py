@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint_compat import allow_fairseq_checkpoint_globals
-from .common import ArgumentParser
+from .common import parser_from_doc
 
 
 def last_checkpoints(save_dir, n, pattern):
@@ -55,7 +55,7 @@ def average(paths):
 
 
 def main():
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("--inputs", nargs="+", required=True,
                    help="checkpoint files, or one directory with --num-*-checkpoints")
     p.add_argument("--output", required=True)

@@ -1,5 +1,6 @@
 """What the recipe modules share: where the plugin and the repository are, fairseq's
-command-line tools, one-line errors, and no half-made output on failure."""
+command-line tools, a command line made from a docstring (:func:`parser_from_doc`, also for
+benchmarks/ and experiments/), one-line errors, and no half-made output on failure."""
 
 import argparse
 import contextlib
@@ -87,6 +88,15 @@ def check_rdrop_every(parser, a):
         parser.error(f"--rdrop-every must be a whole number >= 1, got {a.rdrop_every}")
     if a.rdrop_every != 1 and a.mode not in ("rdrop", "no-kl"):
         parser.error(f"--rdrop-every {a.rdrop_every} is R-Drop's: --mode {a.mode} runs none")
+
+
+def parser_from_doc(doc, **kwargs):
+    """The command line of a script whose docstring ``doc`` is its help: the first paragraph
+    the description, the rest the epilog, line breaks kept; errors on one line
+    (:class:`ArgumentParser`). ``kwargs`` go to the parser (``prog``...)."""
+    summary, _, details = doc.partition("\n\n")
+    return ArgumentParser(description=summary, epilog=details or None,
+                          formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
 
 def run_stage(a, parser, prepare, train, evaluate, data_error):

@@ -44,6 +44,7 @@ import sys
 from pathlib import Path
 
 import torch
+from .common import parser_from_doc
 
 SPECIALS = {"<s>": "[CLS]", "<pad>": "[PAD]", "</s>": "[SEP]", "<unk>": "[UNK]"}
 MASK = "[MASK]"
@@ -192,9 +193,7 @@ def encode_line(tokenizer, text, max_tokens=None):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--hf-dir", required=True,
                         help="Hugging Face BERT directory (config.json, model.safetensors, "
                         "tokenizer.json)")

@@ -17,7 +17,6 @@ instead: a labelled split in the dev layout (e.g. a held-out test split with lab
 Environment variables: CHECKPOINT, DATA, GLUE_DIR, BPE_DIR, ENCODER_JSON, VOCAB_BPE.
 """
 
-import argparse
 import json
 import logging
 import math
@@ -26,7 +25,7 @@ import sys
 from pathlib import Path
 
 from . import prepare_glue
-from .common import ArgumentParser, need
+from .common import need, parser_from_doc
 
 METRICS = {
     "CoLA": ("mcc",),
@@ -188,9 +187,7 @@ env = os.environ.get  # an option's default: its environment variable
 
 
 def parse_args(argv):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=__doc__.split("\n\n", 1)[1])
+    p = parser_from_doc(__doc__)
     p.add_argument("task", help=f"{', '.join(METRICS)} (any case)")
     p.add_argument("--checkpoint", default=env("CHECKPOINT"),
                    help="the fine-tuned checkpoint (SAVE_DIR/checkpoint_best.pt)")

@@ -49,7 +49,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .common import ArgumentParser, PLUGIN, dry_run, fairseq_cli, need, show
+from .common import PLUGIN, dry_run, fairseq_cli, need, parser_from_doc, show
 
 # fairseq-eval-lm's settings per protocol; None: not passed
 PROTOCOLS = {
@@ -141,9 +141,7 @@ def run(cmd):
 
 
 def parse_args(argv):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=__doc__.split("\n\n", 1)[1])
+    p = parser_from_doc(__doc__)
     p.add_argument("--data", default=os.environ.get("DATA"), help="the data-bin")
     p.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT"))
     p.add_argument("--subset", default="test", help="test (default) or valid")

@@ -32,7 +32,7 @@ import os
 import sys
 from pathlib import Path
 
-from .common import ArgumentParser, PLUGIN, need
+from .common import PLUGIN, need, parser_from_doc
 
 DECODING = {"beam": 4, "lenpen": 2.0, "max_len_b": 140, "min_len": 55,
             "no_repeat_ngram_size": 3}
@@ -134,9 +134,7 @@ def summarize(bart, sources, out, batch_size=32, decoding=None):
 
 def build_parser():
     env = os.environ.get
-    p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=__doc__.split("\n\n", 1)[1])
+    p = parser_from_doc(__doc__)
     p.add_argument("--checkpoint", default=env("CHECKPOINT"),
                    help="the fine-tuned checkpoint (e.g. SAVE_DIR/checkpoint_best.pt)")
     p.add_argument("--data", default=env("DATA"),

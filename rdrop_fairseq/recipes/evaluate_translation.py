@@ -39,7 +39,7 @@ from sacremoses import MosesDetokenizer
 
 import sacrebleu
 
-from .common import ArgumentParser, PLUGIN, dry_run, fairseq_cli, need, show
+from .common import PLUGIN, dry_run, fairseq_cli, need, parser_from_doc, show
 from .prepare_translation import PREPARED
 from .score_bleu import read_generate_output, tokenized_bleu
 
@@ -146,7 +146,7 @@ def original_references(data, subset, tgt, ref=None):
 
 
 def main(argv=None):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("recipe", choices=RECIPES)
     p.add_argument("--data", default=os.environ.get("DATA"), required="DATA" not in os.environ)
     p.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT"),

@@ -26,6 +26,7 @@ import os
 import sys
 
 import torch
+from .common import parser_from_doc
 
 
 def export(state, threshold=None):
@@ -92,9 +93,7 @@ def _model_cfg_get(model_cfg, name, default):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = parser_from_doc(__doc__)
     parser.add_argument("--checkpoint", required=True, help="an AttendOut training checkpoint")
     parser.add_argument("--output", required=True, help="where to write the exported model")
     parser.add_argument("--threshold", type=float, default=None,

@@ -23,15 +23,14 @@ evaluate: SAVE_DIR/final on the dev set(s) (MNLI: matched and mismatched) with t
 metric for the task (recipes.evaluate_glue's), printed and written to --json.
 """
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
 
 from . import prepare_glue
-from .common import (ArgumentParser, add_rdrop_every, check_rdrop_every, made_or_removed, need, one_pass_trainer, run_stage,
-                     write_json)
+from .common import (add_rdrop_every, check_rdrop_every, made_or_removed, need,
+                     one_pass_trainer, parser_from_doc, run_stage, write_json)
 from .evaluate_glue import METRICS, scored
 
 MAX_LENGTH = 128  # run_glue's max_seq_length
@@ -246,10 +245,7 @@ def evaluate(a):
 # ------------------------------------------------------------------------------ command
 
 def parse_args(argv):
-    p = ArgumentParser(prog="python -m rdrop_fairseq.recipes.glue_bert",
-                       description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=__doc__.split("\n\n", 1)[1])
+    p = parser_from_doc(__doc__, prog='python -m rdrop_fairseq.recipes.glue_bert')
     p.add_argument("stage", choices=("prepare", "train", "evaluate"))
     p.add_argument("task", help=f"{', '.join(METRICS)} (any case)")
     p.add_argument("--glue-dir", help="prepare: the GLUE data folder (TASK/train.tsv, dev.tsv)")

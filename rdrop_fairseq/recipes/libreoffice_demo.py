@@ -42,7 +42,7 @@ import torch
 
 from ..checkpoint_compat import allow_fairseq_checkpoint_globals
 from .average_checkpoints import average, last_checkpoints
-from .common import PLUGIN, ArgumentParser, fairseq_cli, write_json
+from .common import PLUGIN, fairseq_cli, parser_from_doc, write_json
 from .evaluate_translation import generate_and_score
 from .prepare_translation import export_libreoffice, libreoffice_pairs
 
@@ -379,7 +379,7 @@ def train_and_score(a, size):
 
 
 def build_parser():
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("--out", type=Path, help="where everything goes (default: "
                    "work/libreoffice-demo, with --quick work/libreoffice-demo-quick)")
     p.add_argument("--seeds", type=int, nargs="+",

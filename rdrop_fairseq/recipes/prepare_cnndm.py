@@ -31,14 +31,13 @@ and bart.large yourself (docs/summarization.md).
 Environment variables: RAW, OUT, GPT2_ENCODER_JSON, GPT2_VOCAB_BPE, BART_DICT, WORKERS.
 """
 
-import argparse
 import multiprocessing
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from .common import ArgumentParser, fairseq_cli, made_or_removed
+from .common import fairseq_cli, made_or_removed, parser_from_doc
 
 SPLITS = ("train", "val", "test")
 REQUIRED_SPLITS = ("train", "val")
@@ -184,9 +183,7 @@ def binarize(bpe_dir, dest, dict_txt, splits, workers):
 
 def parse_args(argv=None):
     env = os.environ.get
-    p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=__doc__.split("\n\n", 1)[1])
+    p = parser_from_doc(__doc__)
     p.add_argument("--raw", default=env("RAW"),
                    help="directory with {train,val,test}.{source,target}")
     p.add_argument("--out", default=env("OUT"),

@@ -30,7 +30,6 @@ DICT must be the RoBERTa checkpoint's dict.txt (identical to GPT-2 BPE's dict.tx
 Environment variables: GLUE_DIR, OUT, BPE_DIR, ENCODER_JSON, VOCAB_BPE, ROBERTA_DICT.
 """
 
-import argparse
 import logging
 import os
 import sys
@@ -38,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing import Pool
 from pathlib import Path
 
-from .common import ArgumentParser, made_or_removed
+from .common import made_or_removed, parser_from_doc
 
 
 @dataclass(frozen=True)
@@ -348,9 +347,7 @@ env = os.environ.get  # an option's default: its environment variable
 
 
 def parse_args(argv):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=__doc__.split("\n\n", 1)[1])
+    p = parser_from_doc(__doc__)
     p.add_argument("tasks", nargs="+", metavar="TASK",
                    help=f"{', '.join(TASKS)} (any case), or ALL")
     p.add_argument("--glue-dir", default=env("GLUE_DIR"),

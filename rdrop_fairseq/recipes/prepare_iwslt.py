@@ -38,7 +38,7 @@ from pathlib import Path
 
 from . import fetch as downloader
 from .fetch.archive import Unreadable, UnsafeMember, unpack
-from .common import ArgumentParser, made_or_removed
+from .common import made_or_removed, parser_from_doc
 
 _MARKUP = ("<url>", "<talkid>", "<keywords>")
 _TAGS = re.compile(r"</?(title|description)>")
@@ -108,7 +108,7 @@ def extract(archive, src, tgt, raw):
 
 
 def main():
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("--archive", required=True, help="path or URL of the pair's archive")
     p.add_argument("--src", required=True)
     p.add_argument("--tgt", required=True)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import ArgumentParser, made_or_removed
+from .common import made_or_removed, parser_from_doc
 
 ID_PATTERN = re.compile(r"^(par_id|hd_id)\w*$")
 SPLIT_PERCENT = {"valid": 5, "test": 5}  # the rest is train
@@ -185,7 +185,7 @@ def read_pairs(path):
 
 
 def main():
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--deb", action="append", help="a libreoffice-help-{de,en-us} .deb file")
     src.add_argument("--help-root", help="a directory holding de/ and en-US/ help trees")

@@ -50,7 +50,7 @@ from sacremoses import MosesPunctNormalizer, MosesTokenizer
 from subword_nmt.apply_bpe import BPE
 from subword_nmt.learn_bpe import learn_bpe
 
-from .common import ArgumentParser, REPO, fairseq_cli, made_or_removed
+from .common import REPO, fairseq_cli, made_or_removed, parser_from_doc
 from .prepare_libreoffice_corpus import read_pairs
 
 SPLITS = ("train", "valid", "test")
@@ -205,7 +205,7 @@ def binarize(bpe_dir, dest, src, tgt, joined, workers):
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     src_group = p.add_mutually_exclusive_group(required=True)
     src_group.add_argument("--raw", type=Path, help="directory with {train,valid,test}.{src,tgt}")
     src_group.add_argument("--libreoffice", action="store_true",

@@ -26,7 +26,6 @@ What fairseq's examples/language_model README does (prepare-wikitext-103.sh, the
 Environment variables: SOURCE, OUT, WORKERS, DOWNLOADS.
 """
 
-import argparse
 import os
 import re
 import shutil
@@ -36,7 +35,7 @@ import zipfile
 from pathlib import Path
 
 from . import fetch as downloader
-from .common import ArgumentParser, fairseq_cli, made_or_removed
+from .common import fairseq_cli, made_or_removed, parser_from_doc
 
 SPLITS = ("train", "valid", "test")
 FILES = tuple(f"wiki.{split}.tokens" for split in SPLITS)
@@ -127,9 +126,7 @@ def binarize(files, dest, workers):
 
 
 def main(argv=None):
-    doc = __doc__.split("\n\n")
-    p = ArgumentParser(description=doc[0], epilog="\n\n".join(doc[1:]),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser_from_doc(__doc__)
     p.add_argument("--source", default=os.environ.get("SOURCE"),
                    help="directory, zip or URL of the corpus (default: the source table's "
                         "WikiText-103, fetched into --downloads)")

@@ -67,7 +67,7 @@ from subword_nmt.apply_bpe import BPE
 from subword_nmt.learn_bpe import learn_bpe
 
 from . import fetch as downloader
-from .common import ArgumentParser, fairseq_cli, made_or_removed
+from .common import fairseq_cli, made_or_removed, parser_from_doc
 from .prepare_translation import tokenize, write_lines
 
 # "archives": the source table's names (rdrop_fairseq/recipes/sources.json: file, URLs,
@@ -358,7 +358,7 @@ def regenerate_google(orig, into, google, workers):
 
 
 def main(argv=None):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     p.add_argument("--pair", choices=sorted(CORPORA), default="en-de")
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--google", type=Path,

@@ -19,7 +19,7 @@ import sys
 
 import sacrebleu
 
-from .common import ArgumentParser
+from .common import parser_from_doc
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
 
@@ -53,7 +53,7 @@ def read_generate_output(path):
 
 
 def main():
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser_from_doc(__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--generate-output", help="fairseq-generate's stdout")
     src.add_argument("--hyp", help="hypotheses, one per line (with --ref)")

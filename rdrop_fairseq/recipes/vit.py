@@ -28,15 +28,14 @@ split (ImageNet's: val), each image resized whole, dropout off: top-1 accuracy, 
 written to --json.
 """
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
 
 from . import vit_data
-from .common import (ArgumentParser, add_rdrop_every, check_rdrop_every, need,
-                     one_pass_trainer, run_stage, write_json)
+from .common import (add_rdrop_every, check_rdrop_every, need, one_pass_trainer,
+                     parser_from_doc, run_stage, write_json)
 
 DATASETS = {"cifar100": "CIFAR-100", "imagenet": "ImageNet"}
 MODES = ("rdrop", "no-kl", "baseline", "doubled-batch")
@@ -236,10 +235,7 @@ def prepare(a):
 
 
 def make_parser():
-    p = ArgumentParser(prog="python -m rdrop_fairseq.recipes.vit",
-                       description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog=__doc__.split("\n\n", 1)[1])
+    p = parser_from_doc(__doc__, prog='python -m rdrop_fairseq.recipes.vit')
     p.add_argument("stage", choices=("prepare", "train", "evaluate"))
     p.add_argument("dataset", choices=list(DATASETS))
     p.add_argument("--cifar-dir", help="prepare cifar100: a folder holding CIFAR-100's train, "

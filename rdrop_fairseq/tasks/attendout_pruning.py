@@ -12,19 +12,16 @@ the defender, and the generator's side of a pruning step, in three steps:
 
 The task keeps the schedule (when a pruning step runs and what its cache holds), the
 defender's copy of the attacker (D <- A) and fairseq's hooks. The generator's own
-arithmetic is in :mod:`rdrop_fairseq.models.attendout_layers`.
+arithmetic is in :mod:`rdrop_fairseq.models.attendout_generator` and
+:mod:`rdrop_fairseq.models.attendout_reinforce`.
 """
 
 import torch
 import torch.nn.functional as F
 from fairseq import utils
 
-from ..models.attendout_layers import (
-    decide_pruning,
-    reinforce_generator,
-    search_option,
-    unpack_mask,
-)
+from ..models.attendout_generator import search_option, unpack_mask
+from ..models.attendout_reinforce import decide_pruning, reinforce_generator
 from .attendout_processes import Processes
 
 

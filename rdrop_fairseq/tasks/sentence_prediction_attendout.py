@@ -31,7 +31,10 @@ This module is the schedule (when masks are drawn, what the cache holds, when a 
 step runs, D <- A); the masks, the rewards and the generator's side of the pruning step
 (steps 1, 3 and 4) are :class:`~rdrop_fairseq.tasks.attendout_pruning.AttendOutPruning`'s.
 Under fairseq's data-parallel training every process runs all of it on its own batches and
-takes the same decisions (:mod:`~rdrop_fairseq.tasks.attendout_processes`).
+takes the same decisions (:mod:`~rdrop_fairseq.tasks.attendout_processes`). What D <- A
+needs of fairseq's optimizer (its fp32 masters and state) is
+:mod:`~rdrop_fairseq.tasks.attendout_plumbing`'s; the log's columns
+:mod:`~rdrop_fairseq.tasks.attendout_logs`'.
 
 The criterion is any sentence-prediction criterion: ``sentence_prediction`` or
 ``sentence_prediction_rdrop`` (AttendOut + R-Drop: the mask is part of ``net_input``, so
@@ -39,24 +42,24 @@ R-Drop's duplicated batch carries the same mask in both passes).
 """
 
 import logging
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from fairseq import utils
 from fairseq.dataclass import ChoiceEnum
-from fairseq.logging import metrics
 from fairseq.tasks import register_task
 from fairseq.tasks.sentence_prediction import SentencePredictionConfig, SentencePredictionTask
 from omegaconf import II
 
-from ..models.attendout_layers import (
+from ..models.attendout_generator import (
     SEARCH_DEFAULTS,
     check_search_options,
     pack_mask,
     search_option,
 )
+from .attendout_logs import log_attendout_metrics
+from .attendout_plumbing import HeadOutputs, copy_optimizer_state, fp32_master_views, no_sync
 from .attendout_processes import check_distributed_options, search_state, unwrap_model
 from .attendout_pruning import AttendOutPruning, describe_step
 from .gathered_metrics import check_gathered_metrics, logging_outputs_can_be_summed
@@ -418,44 +421,6 @@ def check_task_options(cfg):
                          "--attendout-baseline moving_average")
 
 
-def log_attendout_metrics(logging_outputs):
-    """AttendOut's columns of the training and validation logs, beside the criterion's: the
-    defender's loss, each layer's drop rate, the unpruned model's loss and accuracy and the
-    gaps to them, the number of pruned layers."""
-    sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
-    nsentences = sum(log.get("nsentences", 0) for log in logging_outputs)
-    if any("defender_loss" in log for log in logging_outputs):
-        total = utils.item(sum(log.get("defender_loss", 0) for log in logging_outputs))
-        metrics.log_scalar("defender_loss", total / max(sample_size, 1) / math.log(2),
-                           sample_size, round=3)
-    drop_keys = sorted({k for log in logging_outputs for k in log
-                        if k.startswith("attendout_drop_L")}, key=lambda k: int(k[16:]))
-    for key in drop_keys:
-        rate = utils.item(sum(log.get(key, 0) for log in logging_outputs))
-        metrics.log_scalar(key, rate / max(sample_size, 1), sample_size, round=3)
-    if any("loss_unpruned" in log for log in logging_outputs):
-        total = utils.item(sum(log.get("loss_unpruned", 0) for log in logging_outputs))
-        unpruned = total / max(sample_size, 1) / math.log(2)
-        metrics.log_scalar("loss_unpruned", unpruned, sample_size, round=3)
-        loss = utils.item(sum(log.get("loss", 0) for log in logging_outputs))
-        metrics.log_scalar("loss_pruning_gap", loss / max(sample_size, 1) / math.log(2)
-                           - unpruned, sample_size, round=3)
-    if any("ncorrect_unpruned" in log for log in logging_outputs):
-        correct = utils.item(sum(log.get("ncorrect_unpruned", 0) for log in logging_outputs))
-        metrics.log_scalar("accuracy_unpruned", 100.0 * correct / max(nsentences, 1),
-                           nsentences, round=1)
-        pruned = utils.item(sum(log.get("ncorrect", 0) for log in logging_outputs))
-        metrics.log_scalar("accuracy_pruning_gap",
-                           100.0 * (pruned - correct) / max(nsentences, 1), nsentences,
-                           round=1)
-    if any("attendout_num_pruned" in log for log in logging_outputs):
-        # the same in every batch: the sum over the batches (and processes) / their number
-        total = sum(log.get("attendout_num_pruned", 0) for log in logging_outputs)
-        batches = sum(log.get("attendout_valid_batches", 1) for log in logging_outputs)
-        metrics.log_scalar("attendout_num_pruned", utils.item(total) / max(utils.item(batches), 1),
-                           weight=0, round=0)
-
-
 _NEEDS_HEAD_CRITERION = (
     "sentence_prediction_attendout needs a sentence-prediction criterion with a "
     "classification head: --criterion sentence_prediction or sentence_prediction_rdrop")
@@ -472,97 +437,3 @@ def _amp_scale(optimizer):
     gradients is skipped and lowers it. (get_scale() reads the device; AMP's step has just
     synchronised with it anyway, to decide whether to skip.)"""
     return optimizer.scaler.get_scale() if isinstance(optimizer, _amp_optimizer_types()) else None
-
-
-def no_sync(model):
-    """fairseq's DDP wrapper's ``no_sync`` (gradients kept on each process until a later
-    backward reduces them); nothing to hold back for a model on one process."""
-    hold = getattr(model, "no_sync", None)
-    return hold() if hold is not None else nullcontext()
-
-
-def fp32_masters(optimizer):
-    """Where fairseq's FP16Optimizer keeps the fp32 master copy of each model parameter:
-    ``None`` without masters (fp32, --amp, --memory-efficient-fp16); ``("list", {id(model
-    parameter): its master})`` (--bf16, which fairseq never flattens, or --fp16 with
-    --fp16-no-flatten-grads); ``("flat", flat master, {id(model parameter): its slice})``
-    (--fp16: the parameters one after another in one flat tensor).
-
-    A flat master per device (fairseq's pipeline parallelism: one model over several
-    devices) raises: AttendOut's model is on one device per process."""
-    masters = getattr(optimizer, "fp32_params", None)
-    params = getattr(optimizer, "fp16_params", None)
-    if masters is None or params is None:
-        return None
-    if isinstance(masters, list):
-        return "list", {id(p): m for p, m in zip(params, masters)}
-    if isinstance(masters, dict):
-        if len(masters) != 1:
-            raise ValueError(
-                f"AttendOut needs one flat fp32 master, got {len(masters)} (one per device: "
-                "pipeline parallelism); AttendOut's model is on one device per process")
-        masters = next(iter(masters.values()))
-    slices, offset = {}, 0
-    for p in params:
-        slices[id(p)] = slice(offset, offset + p.numel())
-        offset += p.numel()
-    if offset != masters.numel():
-        raise ValueError(f"the flat fp32 master holds {masters.numel()} values, the model's "
-                         f"parameters {offset}")
-    return "flat", masters, slices
-
-
-def copy_optimizer_state(optimizer, pairs):
-    """Copy the per-parameter optimizer state (Adam's moments) of each ``(attacker, defender)``
-    parameter pair, wherever fairseq's optimizer keeps it (:func:`fp32_masters`): keyed by
-    the model's parameters, by their fp32 master copies, or in slices of one flat master."""
-    state = optimizer.optimizer.state
-    masters = fp32_masters(optimizer)
-    if masters is not None and masters[0] == "flat":
-        _, flat, slices = masters
-        with torch.no_grad():
-            for value in state.get(flat, {}).values():
-                if torch.is_tensor(value) and value.numel() == flat.numel():
-                    for a, d in pairs:
-                        value[slices[id(d)]] = value[slices[id(a)]]
-        return
-    keys = {} if masters is None else masters[1]
-    for a, d in pairs:
-        a, d = keys.get(id(a), a), keys.get(id(d), d)
-        if a in state:
-            state[d] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state[a].items()}
-
-
-def fp32_master_views(optimizer):
-    """``{id(model parameter): its fp32 master copy}`` for fairseq's FP16Optimizer (flat or
-    not; :func:`fp32_masters`); None for optimizers without masters (fp32, --amp,
-    --memory-efficient-fp16)."""
-    masters = fp32_masters(optimizer)
-    if masters is None:
-        return None
-    if masters[0] == "list":
-        return {key: m.data for key, m in masters[1].items()}
-    _, flat, slices = masters
-    params = {id(p): p for p in optimizer.fp16_params}
-    return {key: flat.data[s].view_as(params[key]) for key, s in slices.items()}
-
-
-class HeadOutputs:
-    """Within ``with``: the classification head's outputs of the attacker and of the
-    defender (forward hooks), as ``outputs``: ``(attacker logits, defender logits)``,
-    copied (``B x classes``) before the criterion can reuse their buffer (R-Drop's loss
-    writes the logits' gradient into it)."""
-
-    def __init__(self, model, head):
-        self.heads = (model.classification_heads[head], model.defender.classification_heads[head])
-        self.outputs = [None, None]
-
-    def __enter__(self):
-        self.hooks = [head.register_forward_hook(
-            lambda module, args, out, i=i: self.outputs.__setitem__(i, out.detach().clone()))
-            for i, head in enumerate(self.heads)]
-        return self
-
-    def __exit__(self, *exc):
-        for hook in self.hooks:
-            hook.remove()
