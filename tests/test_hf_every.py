@@ -140,3 +140,19 @@ def test_a_bad_every_is_refused_naming_the_option(tmp_path, every):
     model, _ = case("classification")
     with pytest.raises(ValueError, match=r"^rdrop_every must be a whole number >= 1"):
         RDropTrainer(model=model, args=training_args(tmp_path), rdrop_every=every)
+
+
+def test_the_loop_of_the_docs_passes_the_update_number():
+    from tests.test_rdrop_every import python_block_after
+
+    model, inputs = case("classification")
+    rows = []
+    model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].size(0)),
+                                    with_kwargs=True)
+    halves = [{k: v[:2] for k, v in inputs.items()}, {k: v[2:] for k, v in inputs.items()}]
+    namespace = {"rdrop_hf_loss": rdrop_hf_loss, "model": model, "kind": model_kind(model),
+                 "updates": [halves, halves, halves],
+                 "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    model.train()
+    exec(python_block_after("rdrop-every.md", "A loop of your own"), namespace)
+    assert rows == [4, 4, 2, 2, 4, 4]  # updates 0 and 2 doubled, both micro-batches alike

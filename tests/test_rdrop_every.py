@@ -219,6 +219,9 @@ def test_the_recipes_take_rdrop_every_and_say_it(recipe):
         assert (override in train_cmd) if override else not any(
             "rdrop_every" in arg for arg in train_cmd)
         assert bench.compose(train_cmd, "/nonexistent").criterion.rdrop_every == int(every)
+        if every == "1":  # the docs' override by hand, without the recipe's variable
+            composed = bench.compose(train_cmd, "/nonexistent", ["criterion.rdrop_every=3"])
+            assert composed.criterion.rdrop_every == 3
         said = ("R-Drop on every update (RDROP_EVERY=1)" if every == "1" else
                 "R-Drop on one update in 5 (RDROP_EVERY=5): updates 0, 5, 10, ...")
         assert f"[{r.script}] {said}" in proc.stdout
@@ -247,3 +250,34 @@ def test_a_bad_rdrop_every_stops_the_recipe_in_one_line(env, said):
 
     _, proc = dry_run("iwslt14", "train", ok=False, GPUS=1, **env)
     assert proc.returncode != 0 and proc.stderr.strip() == said
+
+
+# --------------------------------------------------------------------------- the docs' loops
+
+
+def python_block_after(page, marker):
+    """The first ```python block of docs/PAGE after ``marker``."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / page).read_text()
+    rest = text[text.index(marker):]
+    return rest[rest.index("```python\n") + 10:rest.index("\n```", rest.index("```python"))]
+
+
+def test_the_plain_pytorch_loop_of_the_docs_runs_rdrop_on_one_update_in_two():
+    import torch.nn.functional as F
+
+    from rdrop_fairseq.core import rdrop_loss
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 8), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(8, 20))
+    rows = []
+    model.register_forward_pre_hook(lambda module, args: rows.append(args[0].size(0)))
+    data = [(torch.randint(1, 20, (3, 5)), torch.randint(1, 20, (3, 5))) for _ in range(4)]
+    before = model[2].weight.detach().clone()
+    namespace = {"torch": torch, "F": F, "rdrop_loss": rdrop_loss, "model": model, "data": data,
+                 "PAD": 0, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    exec(python_block_after("plain-pytorch.md", "R-Drop on one update in k"), namespace)
+    assert rows == [6, 3, 6, 3]
+    assert not torch.equal(before, model[2].weight)
