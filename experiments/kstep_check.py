@@ -143,11 +143,16 @@ def read_runs(out):
     return dict(sorted(done.items()))
 
 
-def value_within(rows, hours):
+def value_within(rows, hours, cost=None):
     """The validation BLEU of the last epoch that ended within ``hours`` of training (None
-    if none did), and whether the run had ended by then."""
-    within = [row for row in rows if row["hours"] <= hours]
-    return (within[-1]["valid_bleu"] if within else None), rows[-1]["hours"] <= hours
+    if none did), and whether the run had ended by then. With ``cost`` (an update's cost in
+    baseline updates), ``hours`` is a number of baseline updates instead, and an epoch's
+    time is its updates times ``cost``."""
+    def spent(row):
+        return row["hours"] if cost is None else row["updates"] * cost
+
+    within = [row for row in rows if spent(row) <= hours]
+    return (within[-1]["valid_bleu"] if within else None), spent(rows[-1]) <= hours
 
 
 def mean_std(values):
@@ -158,10 +163,12 @@ def mean_std(values):
             round(statistics.stdev(values), 2) if len(values) > 1 else None]
 
 
-def summarize(done):
+def summarize(done, update_costs=None):
     """Per arm: test BLEU, seconds per update and their ratio to the baseline's, the share
     of updates that ran R-Drop, the best validation epoch, and the validation BLEU within
-    budgets of 0.5, 1 and 2 times the baseline's training time."""
+    budgets of 0.5, 1 and 2 times the baseline's training time; with ``update_costs``
+    (``{k: an update's cost in baseline updates}``, a benchmark's), also within 0.5, 1 and 2
+    times the baseline's updates at those costs."""
     def per_update(result):
         last = result["epochs"][-1]
         return last["hours"] * 3600 / last["updates"]
@@ -169,6 +176,7 @@ def summarize(done):
     base_hours = statistics.mean(r["epochs"][-1]["hours"] for r in done[0].values())
     base_step = statistics.mean(per_update(r) for r in done[0].values())
     budgets = {f"{f}x baseline": f * base_hours for f in (0.5, 1, 2)}
+    base_updates = statistics.mean(r["epochs"][-1]["updates"] for r in done[0].values())
     arms = {}
     for k, runs in done.items():
         results = list(runs.values())
@@ -190,7 +198,15 @@ def summarize(done):
                                                     for r in results])
                                   for label, h in budgets.items()},
         }
-    return {"budgets_hours": {k: round(v, 4) for k, v in budgets.items()}, "arms": arms}
+        if update_costs:
+            arms[arm_name(k)]["valid_bleu_within_at_update_costs"] = {
+                label: mean_std([value_within(r["epochs"], f * base_updates,
+                                              update_costs[str(k)])[0] for r in results])
+                for label, f in zip(budgets, (0.5, 1, 2))}
+    summary = {"budgets_hours": {k: round(v, 4) for k, v in budgets.items()}, "arms": arms}
+    if update_costs:
+        summary["update_costs"] = update_costs
+    return summary
 
 
 def markdown(summary):
@@ -212,6 +228,16 @@ def markdown(summary):
             f"{arm['time_per_update_vs_baseline']:.2f}x | {arm['expected_passes_per_update']} | "
             f"{arm['rdrop_share']:.0%} | {', '.join(map(str, arm['best_valid_epoch']))} | "
             + " | ".join(fmt(arm["valid_bleu_within"][b]) for b in budgets) + " |")
+    if "update_costs" in summary:
+        lines += ["", "The same budgets in baseline updates, each arm's update costing what "
+                  "the benchmark measured (" + ", ".join(
+                      f"{arm_name(int(k))} {v}x" for k, v in summary["update_costs"].items())
+                  + "):", "",
+                  "| arm | " + " | ".join(f"valid BLEU within {b}" for b in budgets) + " |",
+                  "|---" * (1 + len(budgets)) + "|"]
+        lines += [f"| {name} | " + " | ".join(
+            fmt(arm["valid_bleu_within_at_update_costs"][b]) for b in budgets) + " |"
+            for name, arm in summary["arms"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -256,6 +282,10 @@ def build_parser():
     p.add_argument("--epochs", type=int, default=EPOCHS)
     p.add_argument("--eval-pairs", type=int, help="only the first N valid/test pairs")
     p.add_argument("--train-pairs", type=int, help="only N training pairs (default 6000)")
+    p.add_argument("--update-costs", type=float, nargs="+", metavar="X",
+                   help="an update's cost in baseline updates for each of --ks, as "
+                        "benchmarks/bench_rdrop_every.py measured it: the budgets again, "
+                        "in updates at these costs")
     p.add_argument("--summary-only", action="store_true",
                    help="remake the summary from OUT/runs/, training nothing")
     p.add_argument("--parallel", type=int, default=2, help="runs at a time (one thread each)")
@@ -276,7 +306,12 @@ def main(argv=None):
     done = read_runs(a.out) if a.summary_only else run_arms(a, size)
     if 0 not in done:
         p.error(f"no baseline run in {a.out / 'runs'}: run without --summary-only first")
-    summary = {"size": size, **summarize(done)}
+    costs = None
+    if a.update_costs:
+        if len(a.update_costs) != len(a.ks):
+            p.error("--update-costs: one cost for each of --ks")
+        costs = {"0": 1.0, **{str(k): c for k, c in zip(a.ks, a.update_costs)}}
+    summary = {"size": size, **summarize(done, costs)}
     write_json(a.out / "summary.json", summary)
     (a.out / "summary.md").write_text(markdown(summary))
     plot(done, a.out / "kstep_bleu.png")
