@@ -590,7 +590,7 @@ def test_model_with_its_own_normalisation_takes_the_log_prob_path():
     temperature) is trained on *its* distribution: loss and KL follow the formula on it."""
     import types
 
-    from rdrop_fairseq.criterions.rdrop import uses_stock_log_softmax
+    from rdrop_fairseq.criterions.output_layer import uses_stock_log_softmax
 
     case = CASES["translation"]()
     model = case.build_model(dropout=0.3)

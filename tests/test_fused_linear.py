@@ -502,7 +502,7 @@ def test_fused_linear_is_refused_where_it_cannot_serve():
     torch.manual_seed(0)
     model = case.build_model(dropout=0.1)
     model.train()
-    from rdrop_fairseq.criterions.rdrop import fused_output_projection
+    from rdrop_fairseq.criterions.output_layer import fused_output_projection
 
     with pytest.raises(ValueError, match="adaptive softmax"):
         fused_output_projection(model)

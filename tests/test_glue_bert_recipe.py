@@ -163,7 +163,7 @@ def test_each_mode_trains_with_its_trainer(stand_ins, tmp_path):
     from rdrop_fairseq.hf import RDropTrainer
 
     def trainer(mode, alpha=None, batch=8, steps=1, callbacks=()):
-        args = argparse.Namespace(mode=mode, alpha=alpha, rdrop_impl="auto")
+        args = argparse.Namespace(mode=mode, alpha=alpha, rdrop_impl="auto", rdrop_every=1)
         torch.manual_seed(0)
         # no dropout, the attention's included (transformers 4 applies it as a function of
         # the configuration's probability): the same gradient in both runs
@@ -290,7 +290,7 @@ def test_the_training_arguments_parse_as_transformers_reads_them(tmp_path, extra
     split = module_args.index("--")
     warmup = float(module_args[module_args.index("--warmup") + 1])
     hf_args = module_args[split + 1:]
-    parser = glue_bert.ArgumentParser(prog="glue_bert")
+    parser = glue_bert.parser_from_doc(glue_bert.__doc__, prog="glue_bert")
     # fp16 needs a GPU to parse, bf16 a GPU or the CPU's flag: the CPU's flag here
     hf_args = [arg for arg in hf_args if arg != "--fp16"]
     args = glue_bert.training_arguments(parser, hf_args + ["--use_cpu"], warmup)

@@ -103,9 +103,11 @@ def test_a_model_that_says_its_kind_is_not_probed(tmp_path):
     """rdrop_model_kind names the kind; an unknown one is refused before anything is made."""
     model = tiny("gpt2")
     calls = []
-    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    model.register_forward_pre_hook(lambda module, args: calls.append(module.training))
     trainer = make(model, tmp_path, kind="causal")
-    assert trainer._rdrop_kind == "causal" and calls == []
+    # the kind probe runs in evaluation mode; the one training-mode forward is the check of
+    # which dropout the model applies
+    assert trainer._rdrop_kind == "causal" and calls == [True]
     with pytest.raises(ValueError, match="rdrop_model_kind must be 'auto' or one of causal, "
                                          "seq2seq, encoder, got 'decoder'"):
         make(model, tmp_path / "bad", kind="decoder")

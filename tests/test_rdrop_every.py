@@ -180,7 +180,7 @@ def test_accumulation_agrees_per_update_and_a_resumed_run_keeps_the_schedule(
     resumed = train(testkit, translation_bin, "translation", save, "--batch-size", "3",
                     "--update-freq", "2", "--rdrop-every", "3", *NO_SHUFFLE,
                     "--max-update", "7")
-    assert "loaded checkpoint" in resumed.procs[0].stdout + resumed.procs[0].stderr
+    assert "loaded checkpoint" in (resumed.procs[0].stdout + resumed.procs[0].stderr).lower()
     assert batches_per_update(resumed.log) == {5: (0, 0, False), 6: (0, 0, False),
                                                7: (2, 1, True)}
 

@@ -128,7 +128,10 @@ def common_top(names):
 
 def _room_for(into, sizes):
     """TooBig where the declared ``sizes`` add up to more than the free space of ``into``."""
-    size, free = sum(sizes), shutil.disk_usage(into).free
+    existing = Path(into)
+    while not existing.exists() and existing != existing.parent:  # a folder still to make
+        existing = existing.parent
+    size, free = sum(sizes), shutil.disk_usage(existing).free
     if size > free:
         raise TooBig(size, free)
 
