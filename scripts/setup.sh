@@ -141,7 +141,7 @@ if [ -z "${SETUP_CHECK:-}" ] && [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" = "
   exit 0
 fi
 if ! report=$(check 2>/dev/null); then
-  echo "[setup] installing torch (CPU), fairseq and rdrop-fairseq into $VENV"
+  echo "[setup] installing torch 2.13.0 (the CPU build where pip finds one), fairseq and rdrop-fairseq into $VENV"
   "${PIP[@]}" -r requirements/torch-cpu.txt
   "${PIP[@]}" -r requirements/fairseq.txt
   install_fairseq
