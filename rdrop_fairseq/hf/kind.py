@@ -57,6 +57,8 @@ def read_kind(model, kind="auto"):
         if is_task(inner, task):
             raise ValueError(f"{name} is {what}, which R-Drop's loss here does not cover. "
                              f"{_COVERED}")
+    if name in _UNCOVERED_MODELS:
+        raise ValueError(f"{name} is {_UNCOVERED_MODELS[name]}: not covered here. {_COVERED}")
     if kind not in ("auto", *KINDS):
         raise ValueError(f"the model kind must be 'auto' or one of {', '.join(KINDS)}, "
                          f"got {kind!r}")
@@ -92,6 +94,14 @@ _UNCOVERED = {
     "TABLE_QUESTION_ANSWERING": "a table question-answering head (its loss adds cell "
                                 "selection and aggregation terms)",
     "": "a bare model, without a head"}
+# Models refused by name: a head R-Drop's loss covers in form but not in scale
+_UNCOVERED_MODELS = {
+    "ViltForQuestionAnswering": "a visual question-answering head whose own loss is the "
+                                "binary cross-entropy of its answer scores times the number "
+                                "of answers (3,129 for VQAv2); R-Drop's multi-label loss is "
+                                "per label entry, so the two would differ by that factor "
+                                "(and, under rdrop_every, its plain updates from its R-Drop "
+                                "ones)"}
 # Heads whose kind needs no probe (their logits against their labels as they are)
 _ENCODER_HEADS = {"QUESTION_ANSWERING": "a question-answering head",
                   "MULTIPLE_CHOICE": "a multiple-choice head"}
