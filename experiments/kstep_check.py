@@ -39,22 +39,31 @@ EPOCHS = 30
 VALIDATE_INTERVAL = 2
 
 
-def arm_name(k):
-    return BASELINE if k == 0 else f"R-Drop k={k}"
+# An arm is (k, pass_mean): k 0 the baseline, else R-Drop every k updates, its R-Drop
+# updates' loss the sum of the two passes' (the paper's) or, with pass_mean, their mean.
 
 
-def arm_slug(k):
-    return BASELINE if k == 0 else f"rdrop_every{k}"
+def arm_name(arm):
+    k, mean = arm
+    return BASELINE if k == 0 else f"R-Drop k={k}" + (", pass mean" if mean else "")
 
 
-def train_command(data, save_dir, k, seed, size):
+def arm_slug(arm):
+    k, mean = arm
+    return BASELINE if k == 0 else f"rdrop_every{k}" + ("_mean" if mean else "")
+
+
+def train_command(data, save_dir, arm, seed, size):
     """The demo's command for the baseline (k 0) or R-Drop, with ``--rdrop-every k``
-    where k > 1 (k 1 is the criterion's default, the demo's own R-Drop command)."""
+    where k > 1 (k 1 is the criterion's default, the demo's own R-Drop command) and
+    ``--rdrop-pass-mean`` for a pass-mean arm."""
+    k, mean = arm
     cmd = demo.train_command(data, save_dir, BASELINE if k == 0 else "R-Drop", seed, size)
     # validation (greedy BLEU of 300 sentences) every other epoch: a third of an epoch's
     # time here, and not on the time axis
     cmd += ["--validate-interval", str(VALIDATE_INTERVAL)]
-    return cmd + (["--rdrop-every", str(k)] if k > 1 else [])
+    return (cmd + (["--rdrop-every", str(k)] if k > 1 else [])
+            + (["--rdrop-pass-mean"] if mean else []))
 
 
 EPOCH_LINE = re.compile(r"\| train \| epoch (\d+) \|.*?\| num_updates (\d+) \|.*?"
@@ -95,24 +104,24 @@ def load(save_dir):
 
 def run_arms(a, size):
     """Train and score what is not finished, and write each run's OUT/runs/ file;
-    ``{k: {seed: result}}``."""
+    ``{arm: {seed: result}}``."""
     work = a.out / "work"
     work.mkdir(parents=True, exist_ok=True)
     demo.check_settings(work, size)
     data = demo.prepare(work / "data", size)
-    arms = [0, *a.ks]
-    done, jobs, labels = {k: {} for k in arms}, [], {}
+    arms = [(0, False), *((k, False) for k in a.ks), *((k, True) for k in a.pass_mean_ks)]
+    done, jobs, labels = {arm: {} for arm in arms}, [], {}
     # the longest runs first, as the demo orders them
-    for k in sorted(arms, key=lambda k: 0 if k == 0 else -1 / k):
+    for arm in sorted(arms, key=lambda arm: 0 if arm[0] == 0 else -1 / arm[0]):
         for seed in a.seeds:
-            save = work / f"{arm_slug(k)}_seed{seed}"
-            name = f"{arm_name(k)} s{seed}"
-            labels[name] = (k, seed)
+            save = work / f"{arm_slug(arm)}_seed{seed}"
+            name = f"{arm_name(arm)} s{seed}"
+            labels[name] = (arm, seed)
             if (save / "result.json").is_file():
-                done[k][seed] = load(save)
+                done[arm][seed] = load(save)
                 print(f"  [{name}] finished earlier", flush=True)
             else:
-                jobs.append((name, train_command(data, save, k, seed, size),
+                jobs.append((name, train_command(data, save, arm, seed, size),
                              save.with_suffix(".log")))
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cores = demo.Cores(a.parallel)
@@ -123,23 +132,25 @@ def run_arms(a, size):
                                  size)}))
         for name, future in futures.items():
             future.result()
-            k, seed = labels[name]
-            done[k][seed] = load(work / f"{arm_slug(k)}_seed{seed}")
+            arm, seed = labels[name]
+            done[arm][seed] = load(work / f"{arm_slug(arm)}_seed{seed}")
     (a.out / "runs").mkdir(exist_ok=True)
-    for k, runs in done.items():
+    for arm, runs in done.items():
         for seed, result in runs.items():
-            write_json(a.out / "runs" / f"{arm_slug(k)}_seed{seed}.json",
-                       {"k": k, "seed": seed, "test_bleu": result["test_bleu"],
+            write_json(a.out / "runs" / f"{arm_slug(arm)}_seed{seed}.json",
+                       {"k": arm[0], "pass_mean": arm[1], "seed": seed,
+                        "test_bleu": result["test_bleu"],
                         "epochs": result["epochs"]})
     return done
 
 
 def read_runs(out):
-    """``{k: {seed: result}}`` from OUT/runs/."""
+    """``{(k, pass_mean): {seed: result}}`` from OUT/runs/."""
     done = {}
     for path in sorted((out / "runs").glob("*.json")):
         result = json.loads(path.read_text())
-        done.setdefault(result["k"], {})[result["seed"]] = result
+        arm = (result["k"], result.get("pass_mean", False))
+        done.setdefault(arm, {})[result["seed"]] = result
     return dict(sorted(done.items()))
 
 
@@ -167,22 +178,24 @@ def summarize(done, update_costs=None):
     """Per arm: test BLEU, seconds per update and their ratio to the baseline's, the share
     of updates that ran R-Drop, the best validation epoch, and the validation BLEU within
     budgets of 0.5, 1 and 2 times the baseline's training time; with ``update_costs``
-    (``{k: an update's cost in baseline updates}``, a benchmark's), also within 0.5, 1 and 2
-    times the baseline's updates at those costs."""
+    (``{str(k): an update's cost in baseline updates}``, a benchmark's; a pass-mean arm costs
+    what its k does), also within 0.5, 1 and 2 times the baseline's updates at those costs."""
     def per_update(result):
         last = result["epochs"][-1]
         return last["hours"] * 3600 / last["updates"]
 
-    base_hours = statistics.mean(r["epochs"][-1]["hours"] for r in done[0].values())
-    base_step = statistics.mean(per_update(r) for r in done[0].values())
+    baseline = done[(0, False)].values()
+    base_hours = statistics.mean(r["epochs"][-1]["hours"] for r in baseline)
+    base_step = statistics.mean(per_update(r) for r in baseline)
     budgets = {f"{f}x baseline": f * base_hours for f in (0.5, 1, 2)}
-    base_updates = statistics.mean(r["epochs"][-1]["updates"] for r in done[0].values())
+    base_updates = statistics.mean(r["epochs"][-1]["updates"] for r in baseline)
     arms = {}
-    for k, runs in done.items():
-        results = list(runs.values())
+    for arm, runs in done.items():
+        k = arm[0]
+        results = [runs[seed] for seed in sorted(runs)]  # in seed order, however they ended
         step = statistics.mean(per_update(r) for r in results)
-        arms[arm_name(k)] = {
-            "k": k, "seeds": sorted(runs),
+        arms[arm_name(arm)] = {
+            "k": k, "pass_mean": arm[1], "seeds": sorted(runs),
             "test_bleu": mean_std([r["test_bleu"] for r in results]),
             "test_bleu_per_seed": [r["test_bleu"] for r in results],
             "seconds_per_update": round(step, 4),
@@ -199,7 +212,7 @@ def summarize(done, update_costs=None):
                                   for label, h in budgets.items()},
         }
         if update_costs:
-            arms[arm_name(k)]["valid_bleu_within_at_update_costs"] = {
+            arms[arm_name(arm)]["valid_bleu_within_at_update_costs"] = {
                 label: mean_std([value_within(r["epochs"], f * base_updates,
                                               update_costs[str(k)])[0] for r in results])
                 for label, f in zip(budgets, (0.5, 1, 2))}
@@ -231,7 +244,8 @@ def markdown(summary):
     if "update_costs" in summary:
         lines += ["", "The same budgets in baseline updates, each arm's update costing what "
                   "the benchmark measured (" + ", ".join(
-                      f"{arm_name(int(k))} {v}x" for k, v in summary["update_costs"].items())
+                      f"{arm_name((int(k), False))} {v}x"
+                      for k, v in summary["update_costs"].items())
                   + "):", "",
                   "| arm | " + " | ".join(f"valid BLEU within {b}" for b in budgets) + " |",
                   "|---" * (1 + len(budgets)) + "|"]
@@ -251,14 +265,14 @@ def plot(done, path):
     import matplotlib.pyplot as plt
 
     fig, (by_update, by_time) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for k, runs in done.items():
-        results = list(runs.values())
+    for arm, runs in done.items():
+        results = [runs[seed] for seed in sorted(runs)]  # in seed order, however they ended
         epochs = min(len(r["epochs"]) for r in results)
 
         def mean(key):
             return [statistics.mean(r["epochs"][e][key] for r in results) for e in range(epochs)]
 
-        label = f"{arm_name(k)} ({len(results)} seeds)"
+        label = f"{arm_name(arm)} ({len(results)} seeds)"
         by_update.plot(mean("updates"), mean("valid_bleu"), marker=".", label=label)
         by_time.plot([60 * h for h in mean("hours")], mean("valid_bleu"), marker=".", label=label)
     by_update.set_xlabel("updates")
@@ -278,6 +292,9 @@ def build_parser():
     p.add_argument("--ks", type=int, nargs="*", default=[1, 2, 5],
                    help="the k of each R-Drop arm (default 1 2 5; none: the baseline alone); "
                         "the baseline always runs")
+    p.add_argument("--pass-mean-ks", type=int, nargs="*", default=[], metavar="K",
+                   help="also an arm with --rdrop-pass-mean for each K (R-Drop updates at a "
+                        "one-pass update's scale)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     p.add_argument("--epochs", type=int, default=EPOCHS)
     p.add_argument("--eval-pairs", type=int, help="only the first N valid/test pairs")
@@ -295,8 +312,8 @@ def build_parser():
 def main(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
-    if any(k < 1 for k in a.ks):
-        p.error("--ks: each k is a whole number >= 1 (the baseline runs anyway)")
+    if any(k < 1 for k in a.ks + a.pass_mean_ks):
+        p.error("--ks, --pass-mean-ks: each k is a whole number >= 1 (the baseline runs anyway)")
     size = dict(demo.SIZES["full"], epochs=a.epochs)
     if a.eval_pairs:
         size["valid_pairs"] = size["test_pairs"] = a.eval_pairs
@@ -304,12 +321,13 @@ def main(argv=None):
         size["pairs"] = a.train_pairs
     size["average"] = min(size["average"], size["epochs"])
     done = read_runs(a.out) if a.summary_only else run_arms(a, size)
-    if 0 not in done:
+    if (0, False) not in done:
         p.error(f"no baseline run in {a.out / 'runs'}: run without --summary-only first")
     costs = None
     if a.update_costs:
-        if len(a.update_costs) != len(a.ks):
-            p.error("--update-costs: one cost for each of --ks")
+        if len(a.update_costs) != len(a.ks) or not set(a.pass_mean_ks) <= set(a.ks):
+            p.error("--update-costs: one cost for each of --ks (a --pass-mean-ks arm costs "
+                    "what the same k in --ks does)")
         costs = {"0": 1.0, **{str(k): c for k, c in zip(a.ks, a.update_costs)}}
     summary = {"size": size, **summarize(done, costs)}
     write_json(a.out / "summary.json", summary)

@@ -11,7 +11,7 @@
 # CNN/DailyMail 3.0.0), BPE_DIR (GPT-2's encoder.json, vocab.bpe; default work/gpt2_bpe),
 # BART_DIR (bart.large: model.pt, dict.txt; default work/bart.large), DOWNLOADS (default
 # work/downloads). Environment: DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
-# doubled-batch), ALPHA, RDROP_EVERY, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES,
+# doubled-batch), ALPHA, RDROP_EVERY, RDROP_PASS_MEAN, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES,
 # NODE_RANK, MASTER_ADDR, MASTER_PORT, FAIRSEQ_BIN, PYTHON, DRY_RUN.
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options
 # of the Python module). A SAVE_DIR holding checkpoint_last.pt is resumed, not restarted.

@@ -17,7 +17,7 @@
 # for AttendOut: model.pt; default work/roberta.*; fetched by train; FROM_SCRATCH=1: none, a
 # randomly initialised model), DOWNLOADS (default work/downloads). Environment: TASK (CoLA, MRPC, RTE,
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
-# doubled-batch, attendout, attendout_rdrop), TARGET_LAYERS (AttendOut modes), ALPHA, RDROP_EVERY, SEED,
+# doubled-batch, attendout, attendout_rdrop), TARGET_LAYERS (AttendOut modes), ALPHA, RDROP_EVERY, RDROP_PASS_MEAN, SEED,
 # MAX_UPDATE, UPDATE_FREQ (the batch as GPUS x UPDATE_FREQ batches of
 # batch/(GPUS x UPDATE_FREQ) sentences), GPUS (any number that divides the batch with
 # UPDATE_FREQ), CPU, BF16, FP16, FAIRSEQ_BIN, PYTHON, DRY_RUN.

@@ -15,7 +15,7 @@
 # bert-base-uncased folder: config.json, model.safetensors or pytorch_model.bin,
 # tokenizer.json or vocab.txt; default work/bert-base-uncased), DOWNLOADS. Environment: TASK (CoLA, MRPC, RTE,
 # SST-2, MNLI, QNLI, QQP, STS-B), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl,
-# doubled-batch), ALPHA, RDROP_EVERY, AUTHORS_CODE (1: alpha = 0.5 x the per-device batch, the KL scale
+# doubled-batch), ALPHA, RDROP_EVERY, RDROP_PASS_MEAN, AUTHORS_CODE (1: alpha = 0.5 x the per-device batch, the KL scale
 # of the authors' Hugging Face code), WARMUP (the warm-up's fraction of the updates; default
 # 0.06, 0 for none), SEED, MAX_UPDATE, UPDATE_FREQ (the batch as UPDATE_FREQ steps of
 # batch/UPDATE_FREQ sentences), GPUS (0 or 1), CPU, BF16, FP16, PYTHON, DRY_RUN.
@@ -75,6 +75,7 @@ train() {
   [ "$MODE" != rdrop ] || mode_args+=(--alpha "$alpha")
   mode_args+=(--warmup "${WARMUP:-0.06}")
   [ "$RDROP_EVERY" = 1 ] || mode_args+=(--rdrop-every "$RDROP_EVERY")
+  [ "$RDROP_PASS_MEAN" = 0 ] || mode_args+=(--rdrop-pass-mean)
   every_line
   # fp16 on GPUs as the authors' run.sh
   trainer_device_args

@@ -11,7 +11,7 @@
 # Environment: SRC, TGT (default de, en), ARCHIVE (the pair's IWSLT archive, a path or URL;
 # default for De<->En: fetched from fairseq's IWSLT14 mirror into DOWNLOADS, for En<->Zh from
 # the Hugging Face hub's IWSLT17 zip; En<->Fr and En<->Es have no live source: docs/data.md),
-# OFFLINE, DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, RDROP_EVERY, SEED,
+# OFFLINE, DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, RDROP_EVERY, RDROP_PASS_MEAN, SEED,
 # GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
 # FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).
 # Arguments after train are fairseq-hydra-train overrides (after prepare / evaluate: options

@@ -20,7 +20,7 @@
 # per class in each; never fetched: ImageNet needs an account), VIT_DIR (a Hugging Face ViT
 # folder, config.json and model.safetensors; default work/vit-MODEL-patch16-224-in21k,
 # fetched by train), DOWNLOADS. Environment: DATASET (cifar100, imagenet), MODEL (base,
-# large), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, RDROP_EVERY,
+# large), DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, RDROP_EVERY, RDROP_PASS_MEAN,
 # AUTHORS_CODE (1: alpha = 0.6 x the per-device batch, the KL scale of the R-Drop authors'
 # ViT code), SEED, MAX_UPDATE, IMAGE_SIZE, UPDATE_FREQ and DEVICE_BATCH (the batch as
 # UPDATE_FREQ steps of DEVICE_BATCH images on each GPU), GPUS, NODES, NODE_RANK,
@@ -103,6 +103,7 @@ train() {
   fi
   [ "$MODE" != rdrop ] || mode_args+=(--alpha "$alpha")
   [ "$RDROP_EVERY" = 1 ] || mode_args+=(--rdrop-every "$RDROP_EVERY")
+  [ "$RDROP_PASS_MEAN" = 0 ] || mode_args+=(--rdrop-pass-mean)
   every_line
   # fp16 on GPUs as the authors' ViT code offers (apex AMP, O2)
   trainer_device_args

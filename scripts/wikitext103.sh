@@ -9,7 +9,7 @@
 #
 # Environment: ARCH (gpt or adaptive; default gpt), SOURCE (wikitext-103-v1.zip or its
 # directory; default: fetched into DOWNLOADS, default work/downloads: docs/data.md),
-# OFFLINE, DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, RDROP_EVERY, SEED,
+# OFFLINE, DATA_DIR, SAVE_DIR, MODE (rdrop, baseline, no-kl, doubled-batch), ALPHA, RDROP_EVERY, RDROP_PASS_MEAN, SEED,
 # GPUS, CPU, BF16, FP16, UPDATE_FREQ, MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR,
 # MASTER_PORT, FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/language-modeling.md). Arguments after train are fairseq-hydra-train overrides
 # (after prepare / evaluate: options of the Python module).

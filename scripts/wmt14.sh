@@ -14,7 +14,7 @@
 # steps, which docs/data.md compares; set it for every stage), ORIG (the folder holding the
 # official archives, used as it is; default: wmt14-orig beside DATA_DIR, shared by both
 # pairs, where they are fetched), OFFLINE, DATA_DIR, SAVE_DIR, MODE
-# (rdrop, baseline, no-kl, doubled-batch), ALPHA, RDROP_EVERY, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ,
+# (rdrop, baseline, no-kl, doubled-batch), ALPHA, RDROP_EVERY, RDROP_PASS_MEAN, SEED, GPUS, CPU, BF16, FP16, UPDATE_FREQ,
 # MAX_TOKENS, NODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, AVERAGE (default 0: test
 # checkpoint_best.pt, as the authors; N: the average of the last N epoch checkpoints, as
 # fairseq's Scaling NMT recipe with 10), FAIRSEQ_BIN, PYTHON, DRY_RUN (docs/translation.md).

@@ -365,6 +365,26 @@ def test_a_full_disk_while_downloading_keeps_what_arrived_and_resumes(server, tm
         (None, None), ("bytes=400000-", '"v1"')]
 
 
+@pytest.mark.parametrize("route, sha, why", [
+    # gzipped on the way: the server's ranges count gzipped bytes, the partial holds decoded
+    (dict(gzip=True, etag='"v1"'), SHA, r"it came compressed \(Content-Encoding: gzip\)"),
+    # nothing to resume against, nothing to check a spliced file with
+    (dict(), None, "no ETag or Last-Modified and no checksum"),
+])
+def test_a_full_disk_where_a_rerun_cannot_resume_removes_the_partial_and_says_so(
+        server, tmp_path, monkeypatch, route, sha, why):
+    server.routes["/a.bin"] = Route(data=DATA, **route)
+    disk = FullDisk(monkeypatch, fetch_http, 400_000)
+    with pytest.raises(FetchError, match=rf"^the disk is full: a.bin cannot resume \({why}.*\), "
+                                         r"so the 400kB that came are removed from "):
+        fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=sha)
+    assert not (tmp_path / "a.bin.partial").exists()  # the room the rerun needs
+    assert not (tmp_path / "a.bin.partial.validator").exists()
+    disk.room = None
+    assert fetch([server.url("/a.bin")], tmp_path / "a.bin", sha256=sha).read_bytes() == DATA
+    assert [r["range"] for r in server.log] == [None, None]  # afresh, as the line said
+
+
 def test_a_full_disk_outside_the_download_is_one_line(server, tmp_path, monkeypatch, capsys):
     server.routes["/a.bin"] = Route(data=DATA)
 

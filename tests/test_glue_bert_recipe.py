@@ -162,8 +162,9 @@ def test_each_mode_trains_with_its_trainer(stand_ins, tmp_path):
 
     from rdrop_fairseq.hf import RDropTrainer
 
-    def trainer(mode, alpha=None, batch=8, steps=1, callbacks=()):
-        args = argparse.Namespace(mode=mode, alpha=alpha, rdrop_impl="auto", rdrop_every=1)
+    def trainer(mode, alpha=None, batch=8, steps=1, callbacks=(), every=1, pass_mean=False):
+        args = argparse.Namespace(mode=mode, alpha=alpha, rdrop_impl="auto", rdrop_every=every,
+                                  rdrop_pass_mean=pass_mean)
         torch.manual_seed(0)
         # no dropout, the attention's included (transformers 4 applies it as a function of
         # the configuration's probability): the same gradient in both runs
@@ -191,6 +192,9 @@ def test_each_mode_trains_with_its_trainer(stand_ins, tmp_path):
     assert isinstance(rdrop, RDropTrainer) and rdrop.rdrop_alpha == 0.3
     no_kl = trainer("no-kl")
     assert isinstance(no_kl, RDropTrainer) and no_kl.rdrop_alpha == 0.0
+    assert (rdrop.rdrop.every, rdrop.rdrop.pass_mean) == (1, False)
+    every = trainer("rdrop", 0.3, every=3, pass_mean=True)  # --rdrop-every, --rdrop-pass-mean
+    assert (every.rdrop.every, every.rdrop.pass_mean) == (3, True)
 
     class Grab(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):

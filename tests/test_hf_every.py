@@ -13,10 +13,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers import BertForSequenceClassification, Trainer, TrainerCallback  # noqa: E402
 
 from rdrop_fairseq.hf import RDropTrainer, model_kind, rdrop_hf_loss  # noqa: E402
-from tests.test_hf import case, gradients, training_args  # noqa: E402
+from tests.test_hf import case, gradients, tiny_bert, training_args  # noqa: E402
 
 NAMES = ["classification", "regression", "token-classification", "masked-lm"]
 
@@ -49,6 +49,42 @@ def test_every_two_alternates_todays_loss_and_the_models_own(tmp_path, name):
             want_loss, want_grad = step(lambda m, i: m(**i).loss, model, inputs, seed=update)
         assert torch.equal(loss, want_loss)
         assert torch.equal(grad, want_grad)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pass_mean_halves_the_rdrop_updates_and_leaves_the_plain_ones(tmp_path, name):
+    model, inputs = case(name)
+    mean = RDropTrainer(model=model, args=training_args(tmp_path), rdrop_alpha=0.7,
+                        rdrop_every=2, rdrop_pass_mean=True)
+    today = RDropTrainer(model=model, args=training_args(tmp_path), rdrop_alpha=0.7)
+    for update in range(4):
+        loss, grad = step(at_update(mean, update), model, inputs, seed=update)
+        if update % 2 == 0:
+            want_loss, want_grad = step(at_update(today, update), model, inputs, seed=update)
+            want_loss, want_grad = want_loss / 2, want_grad / 2
+        else:
+            want_loss, want_grad = step(lambda m, i: m(**i).loss, model, inputs, seed=update)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=0)
+
+
+def test_pass_mean_at_alpha_zero_without_dropout_is_a_one_pass_update():
+    """The option's promise: an R-Drop update at a one-pass update's scale. With both passes
+    identical (no dropout) and no KL, it is the model's own update on the batch itself."""
+    model = tiny_bert(BertForSequenceClassification, dropout=0.0, num_labels=3)
+    inputs = case("classification")[1]
+    kind = model_kind(model)
+    ours, grad = step(lambda m, i: rdrop_hf_loss(m, i, kind=kind, alpha=0.0,
+                                                 pass_mean=True).loss, model, inputs, seed=1)
+    own, own_grad = step(lambda m, i: m(**i).loss, model, inputs, seed=1)
+    torch.testing.assert_close(ours, own, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, own_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_bad_pass_mean_is_refused_naming_the_option(tmp_path):
+    model, _ = case("classification")
+    with pytest.raises(ValueError, match=r"^rdrop_pass_mean must be True or False, got 'yes'"):
+        RDropTrainer(model=model, args=training_args(tmp_path), rdrop_pass_mean="yes")
 
 
 def test_a_plain_update_with_label_smoothing_is_the_trainers_own_loss(tmp_path):

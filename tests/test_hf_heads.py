@@ -204,3 +204,25 @@ def test_labels_a_head_cannot_read_are_refused_saying_what_to_give():
     with pytest.raises(ValueError, match="start_positions and end_positions"):
         hf.rdrop_hf_loss(model, {k: v for k, v in inputs.items() if k != "end_positions"},
                          kind="encoder")
+
+
+def test_vilts_vqa_head_is_refused_with_the_scale_that_differs(tmp_path):
+    """ViltForQuestionAnswering's own loss is the mean binary cross-entropy times the number
+    of answers (checked here on its own forward): not R-Drop's multi-label loss per label
+    entry, so the trainer refuses it when made, saying why."""
+    from transformers import ViltConfig, ViltForQuestionAnswering
+
+    torch.manual_seed(0)
+    config = ViltConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, image_size=32, patch_size=16, num_labels=7,
+                        max_position_embeddings=16, max_image_length=-1)
+    model = ViltForQuestionAnswering(config).eval()
+    labels = torch.rand(2, 7)
+    out = model(input_ids=random_ids(2, 5), pixel_values=torch.randn(2, 3, 32, 32),
+                labels=labels)
+    per_entry = F.binary_cross_entropy_with_logits(out.logits, labels)
+    torch.testing.assert_close(out.loss, per_entry * 7)  # the reason given, as it is
+    with pytest.raises(ValueError, match=r"^RDropTrainer: ViltForQuestionAnswering is a visual question-"
+                                         r"answering head whose own loss is the binary "
+                                         r"cross-entropy .* times the number of answers"):
+        RDropTrainer(model=model, args=training_args(tmp_path))

@@ -68,6 +68,38 @@ def test_every_two_alternates_todays_criterion_and_the_fairseq_parent(case):
         assert ours[2].keys() == theirs[2].keys()
 
 
+def test_pass_mean_halves_the_rdrop_updates_and_leaves_the_plain_ones(case):
+    model = case.build_model(dropout=0.2)
+    model.train()
+    sample = case.make_sample()
+    mean = case.ours(alpha=2.0, rdrop_every=2, rdrop_pass_mean=True)
+    for update in range(4):
+        ours = run(mean, at_update(model, update), sample, seed=update)
+        rdrop = update % 2 == 0
+        theirs = run(case.ours(alpha=2.0) if rdrop else case.parent(), model, sample, seed=update)
+        scale = 0.5 if rdrop else 1.0
+        assert torch.allclose(ours[0], scale * theirs[0], rtol=1e-6, atol=0)
+        assert_grads_close(ours[3], {n: scale * g for n, g in theirs[3].items()}, rtol=1e-6, atol=0)
+        theirs[2].pop("rdrop_update", None)
+        assert ours[2].pop("rdrop_update") == int(rdrop)
+        assert ours[1] == theirs[1]  # the logged figures are untouched: still per pass
+        assert {k: float(v) for k, v in ours[2].items()} == {k: float(v) for k, v in theirs[2].items()}
+
+
+def test_pass_mean_at_alpha_zero_without_dropout_is_a_one_pass_update(case):
+    """The option's promise: an R-Drop update at a one-pass update's scale. With both passes
+    identical (no dropout) and no KL, it is the parent's update on the batch itself."""
+    model = case.build_model(dropout=0.0)
+    model.train()
+    sample = case.make_sample()
+    ours = run(case.ours(alpha=0.0, two_passes=True, rdrop_pass_mean=True),
+               at_update(model, 0), sample)
+    theirs = run(case.parent(), model, sample)
+    assert ours[1] == theirs[1]
+    assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+    assert_grads_close(ours[3], theirs[3], rtol=1e-4, atol=1e-5)  # summed in another order
+
+
 def test_four_updates_at_every_two_show_the_model_six_batches(case):
     model = case.build_model(dropout=0.2)
     model.train()
@@ -140,7 +172,21 @@ def test_invalid_k_is_refused_while_fairseq_parses_it(value, capsys):
 def test_every_criterion_takes_the_option(criterion):
     _, cfg = parse(["--task", "translation", "--arch", "transformer_iwslt_de_en",
                     "--criterion", criterion, "--rdrop-every", "5"])
-    assert cfg.criterion.rdrop_every == 5
+    assert cfg.criterion.rdrop_every == 5 and cfg.criterion.rdrop_pass_mean is False
+
+
+def test_the_docs_fairseq_lines_parse():
+    """docs/rdrop-every.md's fairseq-train lines, "..." a translation task's arguments."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "rdrop-every.md").read_text()
+    lines = re.findall(r"^fairseq-train \.\.\. (.*)$", page, re.M)
+    assert len(lines) == 2
+    for line in lines:
+        args = line.split("#")[0].split()
+        _, cfg = parse(["--task", "translation", "--arch", "transformer_iwslt_de_en", *args])
+        assert cfg.criterion.rdrop_every == 2 and cfg.criterion.rdrop_alpha == 5
+    assert cfg.criterion.rdrop_pass_mean is True
 
 
 # --------------------------------------------------------------------------- fairseq-train
@@ -227,6 +273,28 @@ def test_the_recipes_take_rdrop_every_and_say_it(recipe):
         assert f"[{r.script}] {said}" in proc.stdout
 
 
+@pytest.mark.parametrize("recipe", ["iwslt14", "wmt14", "wikitext103-gpt", "cnndm_bart", "glue"])
+def test_the_recipes_take_rdrop_pass_mean_and_say_it(recipe):
+    from benchmarks import bench_recipe_memory as bench
+    from tests.recipe_helpers import dry_run
+
+    r = bench.RECIPES[recipe]
+    env = {"GPUS": 1, "BART_DIR": "/nonexistent", "ROBERTA_DIR": "/nonexistent", **r.env}
+    for flag, override in (("0", None), ("1", "++criterion.rdrop_pass_mean=true")):
+        commands, proc = dry_run(r.script, "train", RDROP_EVERY=2, RDROP_PASS_MEAN=flag, **env)
+        (train_cmd,) = [c for c in commands if "--config-dir" in c]
+        assert (override in train_cmd) if override else not any(
+            "rdrop_pass_mean" in arg for arg in train_cmd)
+        composed = bench.compose(train_cmd, "/nonexistent")
+        assert composed.criterion.rdrop_pass_mean is (flag == "1")
+        assert composed.criterion.rdrop_every == 2
+        said = f"[{r.script}] an R-Drop update's loss: the mean of its two passes' (RDROP_PASS_MEAN=1)"
+        assert (said in proc.stdout) is (flag == "1")
+    # the config names the option: hydra's override by hand, without the recipe's variable
+    composed = bench.compose(train_cmd, "/nonexistent", ["criterion.rdrop_pass_mean=false"])
+    assert composed.criterion.rdrop_pass_mean is False
+
+
 @pytest.mark.parametrize("script, env", [("glue_bert", {"TASK": "MRPC"}),
                                          ("vit", {"VIT_DIR": "/v"})])
 def test_the_hugging_face_recipes_pass_rdrop_every_to_the_trainer(script, env):
@@ -236,7 +304,10 @@ def test_the_hugging_face_recipes_pass_rdrop_every_to_the_trainer(script, env):
     assert cmd[cmd.index("--rdrop-every") + 1] == "2"
     assert f"[{script}] R-Drop on one update in 2 (RDROP_EVERY=2)" in proc.stdout
     (cmd,), _ = dry_run(script, "train", GPUS=1, **env)
-    assert "--rdrop-every" not in cmd
+    assert "--rdrop-every" not in cmd and "--rdrop-pass-mean" not in cmd
+    (cmd,), proc = dry_run(script, "train", GPUS=1, RDROP_PASS_MEAN=1, **env)
+    assert "--rdrop-pass-mean" in cmd
+    assert f"[{script}] an R-Drop update's loss: the mean of its two passes'" in proc.stdout
 
 
 @pytest.mark.parametrize("env, said", [
@@ -244,6 +315,9 @@ def test_the_hugging_face_recipes_pass_rdrop_every_to_the_trainer(script, env):
     ({"RDROP_EVERY": "2.5"}, "error: RDROP_EVERY must be a whole number >= 1, not '2.5'"),
     ({"RDROP_EVERY": "2", "MODE": "baseline"},
      "error: RDROP_EVERY=2 is R-Drop's period, and MODE=baseline runs no R-Drop"),
+    ({"RDROP_PASS_MEAN": "yes"}, "error: RDROP_PASS_MEAN must be 0 or 1, not 'yes'"),
+    ({"RDROP_PASS_MEAN": "1", "MODE": "doubled-batch"},
+     "error: RDROP_PASS_MEAN=1 scales R-Drop's updates, and MODE=doubled-batch runs no R-Drop"),
 ])
 def test_a_bad_rdrop_every_stops_the_recipe_in_one_line(env, said):
     from tests.recipe_helpers import dry_run

@@ -404,6 +404,7 @@ def test_the_training_command_is_sgd_with_the_vit_schedule(tmp_path):
     assert (args.max_grad_norm, args.weight_decay, args.dataloader_num_workers) == (1.0, 0.0, 4)
     assert (args.save_steps, args.save_total_limit) == (1000, 2)
     trainer = vit.make_trainer(a.mode, a.alpha, args, tiny_classifier(0.1), [], a.momentum)
+    assert (trainer.rdrop.every, trainer.rdrop.pass_mean) == (1, False)
     trainer.create_optimizer_and_scheduler(args.max_steps)
     opt = trainer.optimizer
     assert isinstance(opt, torch.optim.SGD)

@@ -47,12 +47,19 @@ def run(test_bleu, rows):
 
 
 def test_the_summary_divides_time_by_updates_and_reads_the_budgets():
-    done = {0: {1: run(20.0, [(0.5, 100, 10.0, 0), (1.0, 200, 15.0, 0)]),
-                2: run(21.0, [(0.5, 100, 11.0, 0), (1.0, 200, 16.0, 0)])},
-            2: {1: run(22.0, [(0.75, 100, 12.0, 50), (1.5, 200, 18.0, 100)]),
-                2: run(23.0, [(0.75, 100, 13.0, 50), (1.5, 200, 19.0, 100)])}}
-    summary = k.summarize(done)
+    done = {(0, False): {1: run(20.0, [(0.5, 100, 10.0, 0), (1.0, 200, 15.0, 0)]),
+                         2: run(21.0, [(0.5, 100, 11.0, 0), (1.0, 200, 16.0, 0)])},
+            (2, False): {1: run(22.0, [(0.75, 100, 12.0, 50), (1.5, 200, 18.0, 100)]),
+                         2: run(23.0, [(0.75, 100, 13.0, 50), (1.5, 200, 19.0, 100)])},
+            (2, True): {1: run(21.0, [(0.75, 100, 12.0, 50), (1.5, 200, 17.0, 100)])}}
+    summary = k.summarize(done, {"0": 1.0, "2": 1.5})
     base, every2 = summary["arms"]["baseline"], summary["arms"]["R-Drop k=2"]
+    mean2 = summary["arms"]["R-Drop k=2, pass mean"]
+    assert (every2["pass_mean"], mean2["pass_mean"]) == (False, True)
+    assert mean2["test_bleu"] == [21.0, None] and mean2["seeds"] == [1]
+    # a pass-mean arm costs what its k does: 200 updates x 1.5 = 300 baseline updates
+    assert mean2["valid_bleu_within_at_update_costs"]["1x baseline"] == [12.0, None]
+    assert mean2["valid_bleu_within_at_update_costs"]["2x baseline"] == [17.0, None]
     assert base["seconds_per_update"] == pytest.approx(18.0)  # 1 h / 200 updates
     assert every2["time_per_update_vs_baseline"] == pytest.approx(1.5)
     assert every2["expected_passes_per_update"] == 1.5 and every2["rdrop_share"] == 0.5
@@ -63,12 +70,33 @@ def test_the_summary_divides_time_by_updates_and_reads_the_budgets():
     assert every2["valid_bleu_within"]["1x baseline"] == [12.5, 0.71]
     assert every2["valid_bleu_within"]["0.5x baseline"] is None  # none validated by then
     assert "| R-Drop k=2 | 22.50 ± 0.71 | 22.00, 23.00 | 1.50x | 1.5 | 50% |" in k.markdown(summary)
+    assert "| R-Drop k=2, pass mean | 21.00 | 21.00 | 1.50x | 1.5 | 50% |" in k.markdown(summary)
+
+
+def test_the_arms_train_with_their_options(tmp_path):
+    def options(arm):
+        cmd = k.train_command(tmp_path, tmp_path / "run", arm, 1, dict(demo_size()))
+        return [cmd[cmd.index("--criterion") + 1]] + [
+            a for a in cmd if a in ("--rdrop-every", "--rdrop-pass-mean", "--rdrop-alpha")]
+
+    assert options((0, False)) == ["label_smoothed_cross_entropy"]  # fairseq's own
+    assert options((1, False)) == ["label_smoothed_cross_entropy_rdrop", "--rdrop-alpha"]
+    assert options((2, False))[1:] == ["--rdrop-alpha", "--rdrop-every"]
+    assert options((5, True))[1:] == ["--rdrop-alpha", "--rdrop-every", "--rdrop-pass-mean"]
+    assert k.arm_slug((5, True)) == "rdrop_every5_mean" and k.arm_slug((0, False)) == "baseline"
+
+
+def demo_size():
+    from rdrop_fairseq.recipes import libreoffice_demo as demo
+
+    return demo.SIZES["full"]
 
 
 def test_the_committed_summary_is_made_from_the_committed_runs():
     summary = json.loads((COMMITTED / "summary.json").read_text())
     done = k.read_runs(COMMITTED)
-    assert sorted(done) == [0, 1, 2, 5] and all(len(runs) >= 2 for runs in done.values())
+    assert sorted(done) == [(0, False), (1, False), (2, False), (2, True), (5, False), (5, True)]
+    assert all(len(runs) >= 2 for runs in done.values())
     made = k.summarize(done, summary.get("update_costs"))
     assert {key: summary[key] for key in made} == made
     assert (COMMITTED / "summary.md").read_text() == k.markdown(summary)
@@ -85,9 +113,9 @@ def test_a_tiny_study_runs_end_to_end(tmp_path):
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = k.read_runs(out)
-    assert sorted(runs) == [0, 2]
-    last = runs[2][1]["epochs"][-1]
+    assert sorted(runs) == [(0, False), (2, False)]
+    last = runs[(2, False)][1]["epochs"][-1]
     assert last["epoch"] == 2 and last["rdrop_updates"] == math.ceil(last["updates"] / 2)
-    assert runs[0][1]["epochs"][-1]["rdrop_updates"] == 0
+    assert runs[(0, False)][1]["epochs"][-1]["rdrop_updates"] == 0
     assert (out / "kstep_bleu.png").stat().st_size > 0
     assert "| R-Drop k=2 |" in (out / "summary.md").read_text()

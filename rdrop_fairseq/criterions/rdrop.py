@@ -97,6 +97,15 @@ class RDropConfig(FairseqDataclass):
             "every process agree, and a resumed run keeps the schedule. 1: every update"
         },
     )
+    rdrop_pass_mean: bool = field(
+        default=False,
+        metadata={
+            "help": "on an R-Drop update, the mean of the two passes' loss (each pass's task "
+            "loss and alpha times the KL, halved) instead of their sum, so that its gradient "
+            "has a one-pass update's scale: for --rdrop-every K > 1, where R-Drop and plain "
+            "updates alternate. The paper sums (the default)"
+        },
+    )
     # --cpu (common), to refuse --rdrop-impl triton when the criterion is built
     cpu: bool = II("common.cpu")
 
@@ -189,10 +198,12 @@ class RDropCriterionMixin:
 
     def init_rdrop(self, parent_name, rdrop_alpha=0.0, rdrop_two_passes=False,
                    rdrop_chunk_mb=0.0, rdrop_impl="auto", rdrop_fused_linear=False,
-                   rdrop_keep_logits=False, rdrop_every=1, cpu=False):
+                   rdrop_keep_logits=False, rdrop_every=1, rdrop_pass_mean=False,
+                   cpu=False):
         # checked again here for a config not parsed by fairseq-train (hydra, Python)
         alpha = checked("--rdrop-alpha", rdrop_alpha)
         self.rdrop_every = check_every(rdrop_every, "--rdrop-every")
+        self.rdrop_pass_mean = bool(rdrop_pass_mean)
         chunk_mb = checked("--rdrop-chunk-mb", rdrop_chunk_mb)
         # refused here rather than at the first step (which would leave a crash.pt);
         # Triton's interpreter runs the kernel on CPU tensors, for the tests
@@ -228,6 +239,8 @@ class RDropCriterionMixin:
         if two_passes:
             self.check_reduce(reduce)
             loss, sample_size, logging_output = self.rdrop_forward(model, sample)
+            if self.rdrop_pass_mean:  # the logged figures stay per pass already
+                loss = loss * 0.5
         else:  # --rdrop-every: an update without R-Drop, the parent's own loss
             loss, sample_size, logging_output = super().forward(model, sample, reduce=reduce)
         logging_output["rdrop_update"] = int(two_passes)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import PretrainedConfig
 
+from .coverage import ENCODER_HEADS, refuse_uncovered
 from .fused_head import FusedHead
 from .model import (IGNORE_INDEX, KINDS, decoder_inputs, head_module, is_task, logits_bias,
                     logits_of, router_loss, takes, unwrap)
@@ -53,14 +54,11 @@ def read_kind(model, kind="auto"):
     what is covered)."""
     inner = unwrap(model)
     name = type(inner).__name__
-    for task, what in _UNCOVERED.items():
-        if is_task(inner, task):
-            raise ValueError(f"{name} is {what}, which R-Drop's loss here does not cover. "
-                             f"{_COVERED}")
+    refuse_uncovered(inner)
     if kind not in ("auto", *KINDS):
         raise ValueError(f"the model kind must be 'auto' or one of {', '.join(KINDS)}, "
                          f"got {kind!r}")
-    by_head = next((what for task, what in _ENCODER_HEADS.items() if is_task(inner, task)),
+    by_head = next((what for task, what in ENCODER_HEADS.items() if is_task(inner, task)),
                    None)
     if by_head is not None:  # its logits and labels, as they are, are R-Drop's
         if kind not in ("auto", "encoder"):
@@ -70,31 +68,6 @@ def read_kind(model, kind="auto"):
     return _probed_kind(model) if kind == "auto" else kind
 
 
-_COVERED = ("Covered: sequence classification (single- and multi-label) and regression, token "
-            "classification, question answering (start and end positions), multiple choice, "
-            "masked LM, causal LM (vision-language models included), encoder-decoder LM")
-# Heads refused whatever kind is stated, each with why R-Drop's loss is not theirs
-_UNCOVERED = {
-    "NEXT_SENTENCE_PREDICTION": "a next-sentence-prediction head (a pre-training "
-                                "objective)",
-    "CTC": "a CTC head (its loss aligns the labels with the frames, summing over the "
-           "alignments: not one class per frame)",
-    "OBJECT_DETECTION": "an object-detection head (its loss matches predicted boxes with "
-                        "the labelled ones)",
-    "ZERO_SHOT_OBJECT_DETECTION": "an object-detection head (its loss matches predicted "
-                                  "boxes with the labelled ones)",
-    "SEMANTIC_SEGMENTATION": "a segmentation head (its logits are at a lower resolution "
-                             "than the label map, which its loss upsamples them to)",
-    "UNIVERSAL_SEGMENTATION": "a segmentation head (its loss matches predicted masks with "
-                              "the labelled ones)",
-    "INSTANCE_SEGMENTATION": "a segmentation head (its loss matches predicted masks with "
-                             "the labelled ones)",
-    "TABLE_QUESTION_ANSWERING": "a table question-answering head (its loss adds cell "
-                                "selection and aggregation terms)",
-    "": "a bare model, without a head"}
-# Heads whose kind needs no probe (their logits against their labels as they are)
-_ENCODER_HEADS = {"QUESTION_ANSWERING": "a question-answering head",
-                  "MULTIPLE_CHOICE": "a multiple-choice head"}
 _PROBE = (1, 12)  # examples (one: a decoder classifier needs a pad token for more), tokens
 
 

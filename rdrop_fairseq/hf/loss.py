@@ -68,7 +68,7 @@ def labelled_items(labels, causal=False):
 def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
                   num_items_in_batch=None, world_size=1, impl="auto", fused_linear=False,
                   chunk_mb=0.0, grad_in_scores="auto", check_labels=False, accuracy=False,
-                  accumulation_steps=1, every=1, update=None):
+                  accumulation_steps=1, every=1, update=None, pass_mean=False):
     """R-Drop's training loss of one batch of a Hugging Face model (the trainers' own code),
     for a loop of your own::
 
@@ -101,7 +101,9 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
     are :func:`plain_hf_loss`'s one pass. ``update`` is then required: the number of the
     optimizer update this batch belongs to, counted from 0 (a Trainer's
     ``state.global_step``), the same for every micro-batch of the update and on every
-    process, and carried on across a resume."""
+    process, and carried on across a resume. ``pass_mean``: an R-Drop update's loss is the
+    mean of the two passes' instead of their sum (halved), so that its gradient has a
+    one-pass update's scale; the paper sums."""
     if every != 1:
         every = check_every(every, "every")
         if update is None:
@@ -128,6 +130,8 @@ def rdrop_hf_loss(model, inputs, *, kind, alpha=1.0, label_smoothing=0.0,
         loss = loss * world_size
     # each pass's router loss, as the model's own loss adds it
     loss = loss + 2 * router_loss(model, got.outputs) / accumulation_steps
+    if pass_mean:
+        loss = loss * 0.5
     return RDropHFLoss(loss, got.outputs, got.nll, got.kl, items, got.correct, got.entropy)
 
 

@@ -75,7 +75,9 @@ class RDropOptions:
     one of :data:`~rdrop_fairseq.options.IMPLS` that this run can use; ``chunk_mb`` the
     fused path's chunk budget (MiB, 0 automatic); ``model_kind`` ``auto`` or one of
     :data:`~rdrop_fairseq.hf.model.KINDS`; ``every`` R-Drop on one optimizer update in K, a
-    whole number >= 1. ``use_cpu``: the Trainer's, for the impl check."""
+    whole number >= 1; ``pass_mean`` an R-Drop update's loss the mean of the two passes'
+    (:func:`~rdrop_fairseq.hf.loss.rdrop_hf_loss`). ``use_cpu``: the Trainer's, for the
+    impl check."""
 
     alpha: float = 1.0
     impl: str = "auto"
@@ -84,6 +86,7 @@ class RDropOptions:
     model_kind: str = "auto"
     use_cpu: dataclasses.InitVar[bool] = False
     every: int = 1
+    pass_mean: bool = False
 
     def __post_init__(self, use_cpu):
         self.alpha = non_negative(self.alpha, "rdrop_alpha", "; use 0 to train on both passes "
@@ -92,6 +95,8 @@ class RDropOptions:
         self.fused_linear = bool(self.fused_linear)
         self.chunk_mb = non_negative(self.chunk_mb, "rdrop_chunk_mb", " (MiB; 0 = automatic)")
         self.every = check_every(self.every, "rdrop_every")
+        if not isinstance(self.pass_mean, bool):
+            raise ValueError(f"rdrop_pass_mean must be True or False, got {self.pass_mean!r}")
         if self.model_kind not in ("auto", *KINDS):
             raise ValueError(f"rdrop_model_kind must be 'auto' or one of {', '.join(KINDS)}, "
                              f"got {self.model_kind!r}")
@@ -161,7 +166,9 @@ class RDropMixin:
     :func:`~rdrop_fairseq.hf.kind.model_kind`; or ``causal``, ``seq2seq``, ``encoder``),
     ``rdrop_every`` (R-Drop on the optimizer updates 0, K, 2K, ... only, the others one
     pass with the model's own loss, :func:`~rdrop_fairseq.hf.loss.plain_hf_loss`; default 1:
-    every update); they are kept, checked, in ``trainer.rdrop`` (:class:`RDropOptions`), and
+    every update), ``rdrop_pass_mean`` (an R-Drop update's loss the mean of the two passes'
+    instead of their sum: a one-pass update's scale, for ``rdrop_every`` > 1); they are
+    kept, checked, in ``trainer.rdrop`` (:class:`RDropOptions`), and
     ``trainer.rdrop_alpha`` may be changed between steps. Logged at ``logging_steps``
     besides ``loss``: ``rdrop_ce`` (the cross-entropy of one pass per labelled item,
     comparable with ``eval_loss``) and ``rdrop_kl``, over the updates that ran R-Drop, and
@@ -170,12 +177,13 @@ class RDropMixin:
     """
 
     def __init__(self, *args, rdrop_alpha=1.0, rdrop_impl="auto", rdrop_fused_linear=False,
-                 rdrop_chunk_mb=0.0, rdrop_model_kind="auto", rdrop_every=1, **kwargs):
+                 rdrop_chunk_mb=0.0, rdrop_model_kind="auto", rdrop_every=1,
+                 rdrop_pass_mean=False, **kwargs):
         check_transformers_version()
         model, training_args = _model_and_args(super().__init__, args, kwargs)
         self.rdrop = RDropOptions(rdrop_alpha, rdrop_impl, rdrop_fused_linear, rdrop_chunk_mb,
                                   rdrop_model_kind, getattr(training_args, "use_cpu", False),
-                                  rdrop_every)
+                                  rdrop_every, rdrop_pass_mean)
         self._rdrop_smoothing = float(getattr(training_args, "label_smoothing_factor", 0.0) or 0)
         _check_training_arguments(type(self).__name__, training_args)
         if model is not None:
@@ -306,7 +314,8 @@ class RDropMixin:
             world_size=world_size, impl=self.rdrop.impl, fused_linear=self.rdrop.fused_linear,
             chunk_mb=self.rdrop.chunk_mb, grad_in_scores=False if return_outputs else "auto",
             check_labels=not self._first_batch_checked, accuracy=self._rdrop_trl_metrics,
-            accumulation_steps=accumulation, every=self.rdrop.every, update=update)
+            accumulation_steps=accumulation, every=self.rdrop.every, update=update,
+            pass_mean=self.rdrop.pass_mean)
         if two_passes:  # the R-Drop figures are those of the updates that ran it
             self._first_batch_checked = True
             self._rdrop_log.add(result, inputs)

@@ -75,19 +75,26 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def add_rdrop_every(parser):
-    """The Hugging Face recipes' ``--rdrop-every K`` (RDropTrainer's ``rdrop_every``)."""
+    """The Hugging Face recipes' ``--rdrop-every K`` and ``--rdrop-pass-mean``
+    (RDropTrainer's ``rdrop_every`` and ``rdrop_pass_mean``)."""
     parser.add_argument("--rdrop-every", type=int, default=1, metavar="K",
                         help="train, MODE rdrop or no-kl: R-Drop on one optimizer update in K, "
                              "the others one pass with the model's own loss (default 1: every "
                              "update)")
+    parser.add_argument("--rdrop-pass-mean", action="store_true",
+                        help="train, MODE rdrop or no-kl: an R-Drop update's loss the mean of "
+                             "its two passes' (a one-pass update's scale) instead of their sum")
 
 
 def check_rdrop_every(parser, a):
-    """``--rdrop-every``: a whole number >= 1, and R-Drop's (MODE rdrop or no-kl)."""
+    """``--rdrop-every``: a whole number >= 1, and R-Drop's (MODE rdrop or no-kl), as is
+    ``--rdrop-pass-mean``."""
     if a.rdrop_every < 1:
         parser.error(f"--rdrop-every must be a whole number >= 1, got {a.rdrop_every}")
     if a.rdrop_every != 1 and a.mode not in ("rdrop", "no-kl"):
         parser.error(f"--rdrop-every {a.rdrop_every} is R-Drop's: --mode {a.mode} runs none")
+    if a.rdrop_pass_mean and a.mode not in ("rdrop", "no-kl"):
+        parser.error(f"--rdrop-pass-mean scales R-Drop's updates: --mode {a.mode} runs none")
 
 
 def parser_from_doc(doc, **kwargs):

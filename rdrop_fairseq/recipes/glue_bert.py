@@ -141,7 +141,8 @@ def make_trainer(a, args, model, tokenizer, train_dataset):
                   data_collator=DataCollatorWithPadding(tokenizer), processing_class=tokenizer)
     if a.mode in ("rdrop", "no-kl"):
         return RDropTrainer(**common, rdrop_alpha=a.alpha if a.mode == "rdrop" else 0.0,
-                            rdrop_impl=a.rdrop_impl, rdrop_every=a.rdrop_every)
+                            rdrop_impl=a.rdrop_impl, rdrop_every=a.rdrop_every,
+                            rdrop_pass_mean=a.rdrop_pass_mean)
     return one_pass_trainer(**common)
 
 

@@ -117,8 +117,9 @@ def training_arguments(parser, argv):
 
 
 def make_trainer(mode, alpha, args, model, train_dataset, momentum=MOMENTUM, callbacks=(),
-                 every=1):
-    """RDropTrainer (MODE rdrop: ``alpha``; no-kl: 0; R-Drop on one update in ``every``) or
+                 every=1, pass_mean=False):
+    """RDropTrainer (MODE rdrop: ``alpha``; no-kl: 0; R-Drop on one update in ``every``, its
+    loss the mean of the two passes' with ``pass_mean``) or
     a one-pass Trainer (baseline, doubled-batch), with SGD of ``momentum`` and TrainingArguments' learning rate and weight
     decay (its schedule, warm-up and clipping are the Trainer's)."""
     import torch
@@ -131,7 +132,7 @@ def make_trainer(mode, alpha, args, model, train_dataset, momentum=MOMENTUM, cal
                                                               "momentum": momentum}))
     if mode in ("rdrop", "no-kl"):
         return RDropTrainer(**common, rdrop_alpha=alpha if mode == "rdrop" else 0.0,
-                            rdrop_every=every)
+                            rdrop_every=every, rdrop_pass_mean=pass_mean)
     return one_pass_trainer(**common)
 
 
@@ -149,7 +150,7 @@ def train(a, parser):
     try:
         try:
             trainer = make_trainer(a.mode, a.alpha, args, model, train_dataset, a.momentum,
-                                   every=a.rdrop_every)
+                                   every=a.rdrop_every, pass_mean=a.rdrop_pass_mean)
         except ValueError as e:  # options RDropTrainer refuses, e.g. a negative alpha
             raise SystemExit(f"error: {e}") from None
         print(f"[train] {DATASETS[a.dataset]}, MODE={a.mode}"

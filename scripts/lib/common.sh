@@ -37,6 +37,10 @@ done
 # RDROP_EVERY K: R-Drop on one optimizer update in K (the paper's k-step R-Drop), the
 # others one pass with the task's own loss; 1 (default): every update
 RDROP_EVERY=${RDROP_EVERY:-1}
+# RDROP_PASS_MEAN 1: an R-Drop update's loss is the mean of its two passes' (a one-pass
+# update's scale) instead of their sum (0, the default: the paper's)
+RDROP_PASS_MEAN=${RDROP_PASS_MEAN:-0}
+[[ $RDROP_PASS_MEAN =~ ^[01]$ ]] || die "RDROP_PASS_MEAN must be 0 or 1, not '$RDROP_PASS_MEAN'"
 
 # Print a command (as it could be pasted into a shell); run it unless DRY_RUN=1.
 run() {
@@ -218,7 +222,8 @@ trainer_device_args() {
 # MODE: rdrop (the paper's alpha, or ALPHA), baseline (alpha 0: exactly fairseq's parent
 # criterion), no-kl (alpha 0, two passes: appendix C.2), doubled-batch (the baseline with
 # twice the batch: R-Drop's compute without the KL, appendix C.1). $1: the paper's alpha.
-# Sets MODE_ARGS (hydra overrides; RDROP_EVERY's where it is not 1) and BATCH_FACTOR.
+# Sets MODE_ARGS (hydra overrides; RDROP_EVERY's where it is not 1, RDROP_PASS_MEAN's
+# where it is 1) and BATCH_FACTOR.
 set_mode() {
   BATCH_FACTOR=1
   if [ "$MODE" != rdrop ] && [ -n "${ALPHA:-}" ] && [ "${ALPHA}" != 0 ]; then
@@ -237,6 +242,12 @@ set_mode() {
       *) die "RDROP_EVERY=$RDROP_EVERY is R-Drop's period, and MODE=$MODE runs no R-Drop" ;;
     esac
   fi
+  if [ "$RDROP_PASS_MEAN" = 1 ]; then
+    case $MODE in
+      rdrop|no-kl) MODE_ARGS+=(++criterion.rdrop_pass_mean=true) ;;
+      *) die "RDROP_PASS_MEAN=1 scales R-Drop's updates, and MODE=$MODE runs no R-Drop" ;;
+    esac
+  fi
 }
 
 # every_line: say, in the train stage's output (dry run too), how often R-Drop runs
@@ -248,6 +259,9 @@ every_line() {
     say "R-Drop on one update in $RDROP_EVERY (RDROP_EVERY=$RDROP_EVERY): updates 0," \
         "$RDROP_EVERY, $(( 2 * RDROP_EVERY )), ... run both passes, the others one pass" \
         "with the task's own loss (docs/rdrop-every.md)"
+  fi
+  if [ "$RDROP_PASS_MEAN" = 1 ]; then
+    say "an R-Drop update's loss: the mean of its two passes' (RDROP_PASS_MEAN=1)"
   fi
 }
 

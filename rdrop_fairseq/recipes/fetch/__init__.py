@@ -53,8 +53,9 @@ How a file is fetched (requests and urllib3, the hub's files too):
   a file with a checksum to check the result resumes; another starts afresh. An answer
   that is refused leaves the partial file as it was. A download cut after some bytes, or
   an answer shorter than its Content-Range or Content-Length promised, resumes at once;
-  Ctrl-C, a full disk or quota and a read-only file system keep the partial file for the
-  next run. The partial file and its validator are opened without following a symbolic
+  Ctrl-C keeps the partial file for the next run; so do a full disk or quota and a
+  read-only file system, where the next run resumes (else, for a decoded answer or one
+  with nothing to resume against, the partial file is removed, and the error says so). The partial file and its validator are opened without following a symbolic
   link (one there is an error);
 * the framing of every answer is checked against the request and the first answer: a 206
   only where it begins at the byte asked for (0 without a Range) with the total the

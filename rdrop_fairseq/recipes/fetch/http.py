@@ -410,7 +410,7 @@ def download(url, partial, name, retries, timeouts, check=None, pinned=False, si
     _cap() allows (past it, it is discarded: Refused), and a try that brings less than
     SLOW_BYTES in ``timeouts[1]`` seconds ends (Slow). Returns the headers of every answer
     (redirects first); raises Failed and its kinds, and FetchError for a ``partial`` that is
-    a symbolic link. ``check``: what will check the file, "digest", "size" or None (then a
+    a symbolic link or a disk that fills (_full_disk). ``check``: what will check the file, "digest", "size" or None (then a
     body whose end cannot be told from a cut is refused); ``pinned``: it cannot change;
     ``size``: its pinned size, compared with the answer's before the body is read."""
     refuse_links(partial)
@@ -428,7 +428,12 @@ def download(url, partial, name, retries, timeouts, check=None, pinned=False, si
             total = _announced(resp, start, coding, check, size)
             body = _Body(url, name, start, total, coding, *_cap(partial, total, start, size),
                          timeouts[1])
-            got = _receive(resp, partial, body)
+            try:
+                got = _receive(resp, partial, body)
+            except _Full as full:  # kept only where the rerun resumes (_resume_point)
+                resumable = not coding and (pinned or check == "digest"
+                                            or bool(_recall(partial).get("validator")))
+                raise _full_disk(full, partial, body, resumable) from None
         if total is not None and got < total:  # a short answer (a proxy's cut) is a cut
             raise Cut(f"cut at {human(got)} of {human(total)} (the answer ended early)")
         return chain
@@ -527,10 +532,34 @@ def _receive(resp, partial, body):
         except OSError as e:
             if e.errno not in WRITE_ERRORS:
                 raise
-            what, remedy = WRITE_ERRORS[e.errno]
-            raise FetchError(f"{what}: {partial} holds {human(size_of(partial))} so far; "
-                             f"{remedy} and run again: the download resumes from there") from None
+            raise _Full(e.errno) from None
     return size_of(partial)
+
+
+class _Full(Exception):
+    """A write into the partial file failed for want of room (WRITE_ERRORS: ENOSPC, EDQUOT,
+    EROFS); download() says whether a rerun resumes."""
+
+    def __init__(self, errno_):
+        super().__init__(errno_)
+        self.errno = errno_
+
+
+def _full_disk(full, partial, body, resumable):
+    """The FetchError for a disk that filled (``full``, a _Full) while ``partial`` grew:
+    kept where a rerun resumes from it, else removed (it only holds the room the rerun
+    needs), and the line says which."""
+    what, remedy = WRITE_ERRORS[full.errno]
+    held = human(size_of(partial))
+    if resumable:
+        return FetchError(f"{what}: {partial} holds {held} so far; {remedy} and run again: "
+                          "the download resumes from there")
+    why = (f"it came compressed (Content-Encoding: {body.coding}) and the server's ranges "
+           "count compressed bytes" if body.coding else
+           "no ETag or Last-Modified and no checksum would make a resumed file safe")
+    restart(partial)
+    return FetchError(f"{what}: {body.name} cannot resume ({why}), so the {held} that came "
+                      f"are removed from {partial.parent}; {remedy} and run again")
 
 
 class _Log:
