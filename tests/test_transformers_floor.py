@@ -25,7 +25,7 @@ FLOOR = ["transformers==4.49.0", "accelerate==1.0.1", "huggingface_hub==0.36.2",
          "idna==3.10", "certifi==2024.8.30", "charset-normalizer==3.4.0"]
 FILES = ["tests/test_hf.py", "tests/test_hf_lm.py", "tests/test_hf_settings.py",
          "tests/test_glue_bert_recipe.py", "tests/test_hf_kinds.py", "tests/test_hf_edges.py",
-         "tests/test_hf_heads.py",
+         "tests/test_hf_heads.py", "tests/test_hf_every.py",
          # the downloader's use of the Hugging Face cache: huggingface_hub of the floor's time
          *(f"tests/test_fetch.py::{test}" for test in [
              "test_a_hub_file_in_the_hugging_face_cache_is_used_without_the_network",
